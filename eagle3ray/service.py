@@ -86,7 +86,7 @@ def get_or_start_verifier(spec: VerifierSpec, min_replicas: int = 1, max_replica
     if name in apps and str(apps[name].status).endswith("RUNNING"):
         log.info("reusing running verifier service %s", name)
         return serve.get_app_handle(name)
-    serve.start(http_options={"location": "NoServer"})
+    serve.start(proxy_location="Disabled")
     autoscaling = {"min_replicas": min_replicas, "max_replicas": max_replicas, "initial_replicas": min_replicas,
                    "target_ongoing_requests": 1, "upscale_delay_s": 5, "downscale_delay_s": 60}
     dep = VerifierDeployment.options(autoscaling_config=autoscaling, **_replica_options(spec, num_cpus))

@@ -1,0 +1,54 @@
+"""Config schema: YAML + dotted overrides, unknown keys rejected with the field named."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3ray.config import DEFAULT_CONFIG, ConfigError, load_config
+
+
+def test_default_config_loads_and_overrides_apply():
+    cfg = load_config(None, ["data.max_samples=32", "extract.max_tokens_per_batch=2048", "verifier.aux_layer_ids=[1,2,3]"])
+    assert cfg.run.name == "smollm2-135m-cpu"
+    assert cfg.data.max_samples == 32 and cfg.extract.max_tokens_per_batch == 2048
+    assert cfg.verifier.aux_layer_ids == [1, 2, 3]
+    assert load_config(DEFAULT_CONFIG).data.max_samples == 300  # the file's own value without overrides
+
+
+@pytest.mark.parametrize("override, field", [
+    ("extract.max_token_per_batch=10", "extract.max_token_per_batch"),
+    ("nosuch.key=1", "nosuch"),
+    ("extract.max_tokens_per_batch=0", "extract.max_tokens_per_batch"),
+    ("verifier.dtype=int3", "verifier.dtype"),
+])
+def test_bad_keys_and_values_name_the_field(override, field):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert field in str(e.value) and "smollm2-135m-cpu.yaml" in str(e.value)
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="min_actors"):
+        load_config(None, ["extract.min_actors=3", "extract.max_actors=2"])
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        load_config(None, ["verifier.tensor_parallel_size=2"])  # CPU engines are TP=1
+    cfg = load_config(None, ["verifier.device=cuda", "verifier.tensor_parallel_size=8", "verifier.dtype=bfloat16"])
+    assert cfg.verifier.num_gpus == 8
+
+
+def test_missing_file_and_bad_override():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nonexistent.yaml")
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["data.max_samples"])
+
+
+def test_layer_ids_default_and_validation():
+    from eagle3ray.verifier import resolve_layer_ids
+
+    assert resolve_layer_ids(None, 30) == [2, 15, 27, 30]  # speculators' default + final pre-norm
+    assert resolve_layer_ids([2, 30, 58], 61) == [2, 30, 58, 61]  # Kimi-K2.5's aux layers
+    with pytest.raises(ValueError, match="in \\[0, 30\\)"):
+        resolve_layer_ids([2, 15, 31], 30)
+    with pytest.raises(ValueError, match="appended automatically"):
+        resolve_layer_ids([2, 15, 30], 30)

@@ -1,0 +1,101 @@
+"""Prompt sources, the chat template's loss mask (token by token), held-out de-duplication."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3ray.chat import tokenize_conversation
+from eagle3ray.sources import Record, Rejected, read_chat, read_sharegpt
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens_multi_turn(tokenizer):
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "Seven is prime."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Eleven.\nAlso 13."},
+    ]
+    ids, mask = tokenize_conversation(tokenizer, msgs)
+    assert len(ids) == len(mask)
+    # Token by token: group consecutive masked tokens into runs and decode each run.
+    runs, cur = [], []
+    for tok, m in zip(ids, mask):
+        if m:
+            cur.append(tok)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    assert [tokenizer.decode(r) for r in runs] == ["Seven is prime.<|im_end|>", "Eleven.\nAlso 13.<|im_end|>"]
+    # Everything unmasked is template, system or user text.
+    unmasked = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    assert "Name a prime." in unmasked and "Another?" in unmasked and "Seven" not in unmasked
+    assert unmasked.count("<|im_start|>assistant\n") == 2
+
+
+def test_loss_mask_when_template_injects_a_system_prompt(tokenizer):
+    ids, mask = tokenize_conversation(tokenizer, [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "hello"}])
+    assert "SmolLM" in tokenizer.decode(ids)  # SmolLM2's template adds its default system prompt
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "hello<|im_end|>"
+
+
+def test_sharegpt_truncated_file_keeps_every_complete_record(tmp_path):
+    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+            for i in range(3)]
+    text = json.dumps(recs, indent=2)
+    cut = text[: text.index('"r2"') + 10]  # truncated inside the third record
+    p = tmp_path / "sharegpt.json"
+    p.write_text(cut)
+    out = list(read_sharegpt(p))
+    assert [r.sample_id for r in out if isinstance(r, Record)] == ["sharegpt:r0", "sharegpt:r1"]
+    assert [r.reason for r in out if isinstance(r, Rejected)] == ["malformed_json"]
+    assert out[0].messages == [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a0"}]
+
+
+def test_packaged_sharegpt_reads_records():
+    out = list(read_sharegpt(max_records=50))
+    good = [r for r in out if isinstance(r, Record)]
+    assert len(out) == 50 and len(good) >= 40
+    assert all(any(m["role"] == "assistant" for m in r.messages) for r in good)
+
+
+def test_chat_jsonl_reasons_name_file_and_line(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+                  b'{not json\n'
+                  b'{"messages": [{"role": "user", "content": "\xff"}]}\n'
+                  b'{"messages": [{"role": "user"}]}\n'
+                  b'{"other": 1}\n')
+    out = list(read_chat(p))
+    assert isinstance(out[0], Record) and out[0].sample_id == "chat:c.jsonl:1"
+    assert [(r.reason, r.where.rsplit(":", 1)[-1].split()[0]) for r in out[1:]] == [
+        ("malformed_json", "2"), ("invalid_utf8", "3"), ("bad_message", "4"), ("empty_conversation", "5")]
+    assert "messages" in out[-1].where + out[-1].detail
+
+
+def test_training_prompts_in_eval_set_are_removed(tmp_path, make_cfg):
+    from eagle3ray.prepare import collect_records
+    from eagle3ray.sources import RejectCounter, read_mtbench
+
+    q = read_mtbench()[0]["turns"][0]
+    p = tmp_path / "t.jsonl"
+    rows = [[{"role": "user", "content": "  " + q.upper() + " "}, {"role": "assistant", "content": "x"}],
+            [{"role": "user", "content": "fresh"}, {"role": "assistant", "content": "y"}],
+            [{"role": "user", "content": "fresh"}, {"role": "assistant", "content": "z"}]]
+    p.write_text("\n".join(json.dumps({"messages": m}) for m in rows))
+    rej = RejectCounter()
+    kept = collect_records(make_cfg([p]), rej)
+    assert [r.messages[1]["content"] for r in kept] == ["y"]
+    assert rej.counts == {"in_eval_set": 1, "duplicate": 1}
