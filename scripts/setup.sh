@@ -9,6 +9,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
+# This machine's pip config names local index folders that may not exist: drop pip's noise about them.
+exec 2> >(grep -v "^WARNING: Location 'file:" >&2)
 stamp=".venv/.eagle3ray-setup-$flavour"
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
   echo "setup: .venv is up to date ($stamp)"; exit 0
