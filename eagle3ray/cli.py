@@ -110,6 +110,83 @@ def extract(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] =
         console.print(_rejected_table("rejected records", s.rejected))
 
 
+def _kv_table(title: str, rows) -> Table:
+    t = Table(title=title)
+    t.add_column("field")
+    t.add_column("value", justify="right")
+    for k, v in rows:
+        t.add_row(k, v if isinstance(v, str) else (f"{v:.4f}" if isinstance(v, float) else str(v)))
+    return t
+
+
+@app.command()
+def vocab(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Build the draft vocabulary (d2t offsets, t2d mask) from extract's loss-masked token frequencies."""
+    from .vocab import build_vocab
+
+    cfg = _load(config, overrides)
+    s = build_vocab(cfg)
+    console.print(_kv_table("vocab" + (" (already built: skipped)" if s.skipped else ""), [
+        ("draft vocabulary", s.draft_vocab_size), ("target vocabulary", s.target_vocab_size),
+        ("coverage of training answer tokens", s.coverage), ("output", s.path)]))
+
+
+def _acc_rows(prefix: str, m: dict, k: int):
+    return [(f"{prefix} acc pos {i}", m.get(f"val_full_acc_{i}", float("nan"))) for i in range(k)]
+
+
+@app.command()
+def train(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Train the EAGLE-3 draft on Ray Train (TorchTrainer) from the committed hidden-state blocks.
+
+    Resumes from the latest checkpoint when re-run; a finished run does nothing. Checkpoints, metrics
+    and the best checkpoint go to <storage>/<run>/checkpoints/.
+    """
+    from .train import train as run_train
+    from .vocab import build_vocab
+
+    cfg = _load(config, overrides)
+    build_vocab(cfg)
+    s = run_train(cfg)
+    k = cfg.train.ttt_steps
+    rows = [("steps", s.steps), ("resumed from step", "-" if s.resumed_from is None else s.resumed_from),
+            ("best step", s.best_step), ("seconds", f"{s.seconds:.1f}")]
+    rows += _acc_rows("untrained held-out", s.untrained_metrics, k) if s.untrained_metrics else []
+    rows += _acc_rows("best held-out", s.best_metrics, k)
+    rows += [("tokens/s (last interval)", s.final_metrics.get("tokens_per_s", float("nan"))),
+             ("best checkpoint", s.checkpoint)]
+    console.print(_kv_table("train" + (" (already complete: skipped)" if s.skipped else ""), rows))
+
+
+@app.command()
+def export(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Write the best checkpoint as a speculators-format draft that stock vLLM loads, then check it."""
+    from .check import check_draft
+    from .export import export as run_export
+    from .verifier import VerifierSpec
+
+    cfg = _load(config, overrides)
+    s = run_export(cfg)
+    console.print(_kv_table("export" + (" (already exported: skipped)" if s.skipped else ""), [
+        ("checkpoint step", s.step), ("files", ", ".join(s.files)), ("output", s.path)]))
+    rep = check_draft(s.path, VerifierSpec.from_config(cfg).model_path)
+    console.print(rep.render())
+    if not rep.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def check(draft: str = typer.Option(..., "--draft", help="Exported draft folder (config.json + safetensors)."),
+          verifier: str = typer.Option(..., "--verifier", help="Verifier folder or its config.json (no weights read).")):
+    """Offline: will stock vLLM load this EAGLE-3 draft for this verifier? Exit 1 names each problem."""
+    from .check import check_draft
+
+    rep = check_draft(draft, verifier)
+    print(rep.render())
+    if not rep.ok:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     try:
         app()

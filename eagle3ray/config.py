@@ -148,14 +148,50 @@ class ExtractSection(_Strict):
         return self
 
 
+class VocabSection(_Strict):
+    """Draft vocabulary (stage `vocab`): the most frequent loss-masked target tokens."""
+
+    draft_vocab_size: int = Field(8192, ge=1, description="Tokens the draft predicts (d2t length).")
+
+
+class TrainSection(_Strict):
+    """Draft training (stage `train`) on Ray Train. Steps and batches are counted in optimizer steps and tokens."""
+
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel, DDP).")
+    cpus_per_worker: float = Field(0.5, gt=0, description="Fractional CPUs avoid Ray Data starving on small nodes.")
+    use_gpu: bool = Field(False, description="One GPU per worker, NCCL; CPU workers use gloo.")
+    max_steps: int = Field(300, ge=1, description="Optimizer steps in total (all epochs).")
+    max_tokens_per_batch: int = Field(2048, ge=16, description="Packed sequence length of one worker's step.")
+    lr: float = Field(6e-4, gt=0)
+    warmup_steps: int = Field(30, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a fraction of lr.")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ttt_steps: int = Field(3, ge=1, description="Training-time test steps (EAGLE-3).")
+    ttt_step_loss_decay: float = Field(1.0, gt=0, description="Loss weight decay per TTT step (speculators).")
+    loss: str = Field("kl_div", description="speculators loss spec (name or JSON of name: weight).")
+    loss_impl: Literal["eager", "fused"] = Field("eager", description="'fused' is a Triton kernel (GPU only).")
+    attn_impl: Literal["sdpa", "eager", "simple_flex_attention"] = Field(
+        "sdpa", description="Draft attention. FlexAttention has no backward on CPU; use it on GPUs.")
+    num_draft_layers: int = Field(1, ge=1)
+    norm_before_residual: bool = True
+    checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints (and held-out evaluations).")
+    val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of committed blocks held out (>= 1 block).")
+    shuffle_buffer_rows: int = Field(64, ge=0, description="Ray Data local shuffle buffer, in samples.")
+    max_failures: int = Field(1, ge=0, description="Worker-group restarts from the last checkpoint (FailureConfig).")
+    seed: int = 0
+
+
 class Config(_Strict):
-    """A whole run. Sections: run, ray, verifier, data, extract."""
+    """A whole run. Sections: run, ray, verifier, data, extract, vocab, train."""
 
     run: RunSection
     ray: RaySection = Field(default_factory=RaySection)
     verifier: VerifierSection = Field(default_factory=VerifierSection)
     data: DataSection = Field(default_factory=DataSection)
     extract: ExtractSection = Field(default_factory=ExtractSection)
+    vocab: VocabSection = Field(default_factory=VocabSection)
+    train: TrainSection = Field(default_factory=TrainSection)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,232 @@
+"""Offline compatibility check: will stock vLLM load this EAGLE-3 draft for this verifier?
+
+Loads no verifier weights: it reads the verifier's ``config.json`` and the draft's ``config.json``
+plus the *headers* of its safetensors files (names, shapes, dtypes; no tensor data), applies
+vLLM's key renaming (``llama_eagle3.Eagle3LlamaForCausalLM.load_weights``: ``t2d`` dropped, ``d2t`` ->
+``draft_id_to_target_id``, ``midlayer.`` -> ``layers.0.``, everything but ``lm_head`` prefixed with
+``model.``) and compares every tensor with the shape vLLM's EAGLE-3 Llama model allocates:
+
+================================  =====================================================
+tensor                            shape (vLLM 0.32 ``llama_eagle3.py``)
+================================  =====================================================
+model.fc.weight                   [H, A*H_t]  (A aux layers, H_t = target hidden size)
+model.layers.0.self_attn.q_proj   [n_heads*head_dim, 2H]  (layer 0 sees [embeds, hidden])
+model.layers.0.self_attn.k/v_proj [n_kv*head_dim, 2H]
+model.layers.0.self_attn.o_proj   [H, n_heads*head_dim]
+model.layers.0.mlp.gate/up_proj   [I, H];  down_proj [H, I]
+model.layers.0.*norm*             [H]  (input_layernorm, hidden_norm, post_attention_layernorm)
+model.norm.weight                 [H]
+lm_head.weight                    [Vd, H]
+draft_id_to_target_id (d2t)       [Vd] integer offsets, d2t[i] + i < V
+model.embed_tokens.weight         [V, H]  (optional: vLLM shares the verifier's when absent)
+================================  =====================================================
+
+``head_dim`` is the draft config's explicit ``head_dim`` when present, else H / n_heads (Kimi-K2's
+draft declares 128 although 7168/64 = 112). The verifier side: ``text_config`` resolved for nested
+configs; hidden size and vocabulary must match; aux layer ids must lie in [0, L].
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fsspec
+
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32", "BOOL": "bool",
+           "I8": "int8", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
+
+
+@dataclass
+class CheckReport:
+    """Problems (each names the key/field) and notes; ``ok`` when there is no problem."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # expected vLLM shapes
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def render(self) -> str:
+        lines = ["eagle3ray check: " + ("OK: vLLM's eagle3 loader accepts this draft" if self.ok else
+                                        f"{len(self.problems)} problem(s)")]
+        lines += [f"  PROBLEM {p}" for p in self.problems]
+        lines += [f"  note    {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def read_json_any(path: str) -> dict:
+    with fsspec.open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+def safetensors_header(path: str) -> dict[str, dict]:
+    """{name: {"dtype", "shape"}} from a safetensors file's JSON header (reads only the header)."""
+    with fsspec.open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {k: {"dtype": _DTYPES.get(v["dtype"], v["dtype"]), "shape": list(v["shape"])} for k, v in header.items()}
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's settings of a (possibly nested, multimodal) HF config."""
+    for key in ("text_config", "language_config", "llm_config"):
+        if isinstance(cfg.get(key), dict):
+            inner = dict(cfg[key])
+            return inner
+    return cfg
+
+
+def vllm_key(name: str) -> str | None:
+    """The parameter name vLLM's Eagle3LlamaForCausalLM loads a checkpoint key into (None: ignored)."""
+    if "t2d" in name:
+        return None
+    if "d2t" in name:
+        return name.replace("d2t", "draft_id_to_target_id")
+    name = name.replace("midlayer.", "layers.0.")
+    return name if "lm_head" in name else "model." + name
+
+
+def expected_shapes(draft_cfg: dict, num_aux: int, target_hidden: int) -> dict[str, list[int]]:
+    """Shapes vLLM allocates for a speculators EAGLE-3 Llama draft (renamed keys, see module docstring)."""
+    t = draft_cfg.get("transformer_layer_config", draft_cfg)
+    H = t["hidden_size"]
+    nh, nkv = t["num_attention_heads"], t.get("num_key_value_heads", t["num_attention_heads"])
+    hd = t.get("head_dim") or H // nh
+    inter = t["intermediate_size"]
+    Vd = draft_cfg.get("draft_vocab_size") or t["vocab_size"]
+    L = t.get("num_hidden_layers", 1)
+    shapes = {
+        "model.fc.weight": [H, num_aux * target_hidden],
+        "model.norm.weight": [H],
+        "lm_head.weight": [Vd, H],
+        "draft_id_to_target_id": [Vd],
+    }
+    for i in range(L):
+        p = f"model.layers.{i}."
+        qkv_in = 2 * H if i == 0 else H
+        shapes.update({
+            p + "self_attn.q_proj.weight": [nh * hd, qkv_in],
+            p + "self_attn.k_proj.weight": [nkv * hd, qkv_in],
+            p + "self_attn.v_proj.weight": [nkv * hd, qkv_in],
+            p + "self_attn.o_proj.weight": [H, nh * hd],
+            p + "mlp.gate_proj.weight": [inter, H],
+            p + "mlp.up_proj.weight": [inter, H],
+            p + "mlp.down_proj.weight": [H, inter],
+            p + "input_layernorm.weight": [H],
+            p + "post_attention_layernorm.weight": [H],
+        })
+        if i == 0:
+            shapes[p + "hidden_norm.weight"] = [H]
+    return shapes
+
+
+def check_draft(draft_dir: str, verifier: str) -> CheckReport:
+    """Compare an exported draft directory with what vLLM expects for ``verifier``.
+
+    Args:
+        draft_dir: folder (or URI) with ``config.json`` and ``*.safetensors`` in speculators format.
+        verifier: the verifier's folder or its ``config.json`` path (no weights are read).
+
+    Returns:
+        A :class:`CheckReport`; each problem names the tensor key or config field.
+    """
+    rep = CheckReport()
+    vpath = verifier if verifier.endswith(".json") else f"{verifier.rstrip('/')}/config.json"
+    try:
+        vcfg = text_config(read_json_any(vpath))
+    except FileNotFoundError:
+        rep.problems.append(f"verifier config {vpath}: not found")
+        return rep
+    try:
+        dcfg = read_json_any(f"{draft_dir.rstrip('/')}/config.json")
+    except FileNotFoundError:
+        rep.problems.append(f"{draft_dir}/config.json: not found")
+        return rep
+    if dcfg.get("speculators_model_type") != "eagle3":
+        rep.problems.append(f"config.json: field 'speculators_model_type' is {dcfg.get('speculators_model_type')!r}, "
+                            "vLLM's eagle3 method needs 'eagle3'")
+    t = dcfg.get("transformer_layer_config")
+    if not isinstance(t, dict):
+        rep.problems.append("config.json: field 'transformer_layer_config' missing")
+        return rep
+    VH, VL, VV = vcfg["hidden_size"], vcfg["num_hidden_layers"], vcfg["vocab_size"]
+    if t["hidden_size"] != VH:
+        rep.problems.append(f"config.json: field 'transformer_layer_config.hidden_size' is {t['hidden_size']}, "
+                            f"the verifier's hidden_size is {VH}")
+    aux = dcfg.get("eagle_aux_hidden_state_layer_ids") or []
+    if not aux:
+        rep.notes.append("eagle_aux_hidden_state_layer_ids not set: vLLM uses its default [2, L//2, L-3]")
+        aux = [2, VL // 2, VL - 3]
+    bad = [i for i in aux if not 0 <= i <= VL]
+    if bad:
+        rep.problems.append(f"config.json: field 'eagle_aux_hidden_state_layer_ids' {aux}: {bad} outside the "
+                            f"verifier's depth [0, {VL}]")
+    nh = t["num_attention_heads"]
+    if "head_dim" in t and t["head_dim"] != t["hidden_size"] // nh:
+        rep.notes.append(f"explicit head_dim {t['head_dim']} (hidden/heads = {t['hidden_size'] // nh}): q/k/v/o "
+                         "shapes use the explicit value, as vLLM does")
+    target_hidden = t.get("target_hidden_size", dcfg.get("target_hidden_size", VH))
+    rep.shapes = expected_shapes(dcfg, len(aux), target_hidden)
+    files = sorted(p for p in fsspec.open_files(f"{draft_dir.rstrip('/')}/*.safetensors"))
+    if not files:
+        rep.problems.append(f"{draft_dir}: no *.safetensors weights")
+        return rep
+    tensors: dict[str, dict] = {}
+    for of in files:
+        tensors.update(safetensors_header(of.full_name if hasattr(of, "full_name") else of.path))
+    loaded = {}
+    for name, info in tensors.items():
+        k = vllm_key(name)
+        if k is not None:
+            loaded[k] = (name, info)
+    Vd = rep.shapes["lm_head.weight"][0]
+    for key, shape in rep.shapes.items():
+        if key not in loaded:
+            ckpt = "d2t" if key == "draft_id_to_target_id" else key.removeprefix("model.")
+            if key == "draft_id_to_target_id" and Vd == VV:
+                continue  # full-vocabulary draft: vLLM needs no mapping
+            rep.problems.append(f"weights: key {ckpt!r} missing (vLLM parameter {key}, shape {shape})")
+            continue
+        name, info = loaded[key]
+        if info["shape"] != shape:
+            rep.problems.append(f"weights: key {name!r} has shape {info['shape']}, vLLM expects {shape}")
+    if "draft_id_to_target_id" in loaded:
+        name, info = loaded["draft_id_to_target_id"]
+        if not info["dtype"].startswith("int"):
+            rep.problems.append(f"weights: key {name!r} dtype {info['dtype']}, vLLM expects integer offsets")
+    if "model.embed_tokens.weight" in loaded:
+        name, info = loaded["model.embed_tokens.weight"]
+        if info["shape"] != [VV, t["hidden_size"]]:
+            rep.problems.append(f"weights: key {name!r} has shape {info['shape']}, vLLM expects [{VV}, "
+                                f"{t['hidden_size']}] (the verifier's vocabulary)")
+    else:
+        rep.notes.append("no embed_tokens in the draft: vLLM shares the verifier's embedding")
+    t2d = [info for name, info in tensors.items() if "t2d" in name]
+    if t2d and t2d[0]["shape"] != [VV]:
+        rep.problems.append(f"weights: key 't2d' has shape {t2d[0]['shape']}, the verifier's vocabulary is {VV}")
+    known = set(rep.shapes) | {"model.embed_tokens.weight"}
+    extra = sorted(k for k in loaded if k not in known)
+    if extra:
+        rep.problems.append(f"weights: keys vLLM's eagle3 model has no parameter for: {extra[:6]}")
+    dvocab = dcfg.get("draft_vocab_size")
+    if dvocab is not None and dvocab != Vd:
+        rep.problems.append(f"config.json: field 'draft_vocab_size' {dvocab} != lm_head rows {Vd}")
+    return rep
+
+
+def main_check(draft: str, verifier: str) -> int:
+    rep = check_draft(draft, verifier)
+    print(rep.render())
+    return 0 if rep.ok else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    raise SystemExit(main_check(sys.argv[1], sys.argv[2]))
