@@ -168,10 +168,10 @@ def check_draft(draft_dir: str, verifier: str) -> CheckReport:
         rep.problems.append(f"config.json: field 'eagle_aux_hidden_state_layer_ids' {aux}: {bad} outside the "
                             f"verifier's depth [0, {VL}]")
     nh = t["num_attention_heads"]
-    if "head_dim" in t and t["head_dim"] != t["hidden_size"] // nh:
+    if t.get("head_dim") not in (None, t["hidden_size"] // nh):
         rep.notes.append(f"explicit head_dim {t['head_dim']} (hidden/heads = {t['hidden_size'] // nh}): q/k/v/o "
                          "shapes use the explicit value, as vLLM does")
-    target_hidden = t.get("target_hidden_size", dcfg.get("target_hidden_size", VH))
+    target_hidden = t.get("target_hidden_size") or dcfg.get("target_hidden_size") or VH
     rep.shapes = expected_shapes(dcfg, len(aux), target_hidden)
     files = sorted(p for p in fsspec.open_files(f"{draft_dir.rstrip('/')}/*.safetensors"))
     if not files:

@@ -35,7 +35,8 @@ class ServingEngine:
         from vllm import LLM
 
         kwargs = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-                      max_num_seqs=max_num_seqs, seed=seed, tensor_parallel_size=tensor_parallel_size)
+                      max_num_seqs=max_num_seqs, seed=seed, tensor_parallel_size=tensor_parallel_size,
+                      disable_log_stats=False)  # get_metrics() needs stat logging
         if device == "cuda":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if draft_dir:
