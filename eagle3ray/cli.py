@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +22,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import storage
 from .config import ConfigError, load_config
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, rich_markup_mode="rich",
@@ -185,6 +187,84 @@ def check(draft: str = typer.Option(..., "--draft", help="Exported draft folder 
     print(rep.render())
     if not rep.ok:
         raise typer.Exit(1)
+
+
+def _print_validation(r: dict) -> None:
+    console.print(_kv_table("validate" + (" (already validated: skipped)" if r.get("skipped") else ""), [
+        ("eval set / prompts", f"{r['eval_set']} / {r['num_prompts']}"),
+        ("num_speculative_tokens (k)", r["num_speculative_tokens"]),
+        ("mean acceptance length", r["mean_acceptance_length"]),
+        ("acceptance per position", ", ".join(f"{a:.3f}" for a in r["acceptance_per_position"])),
+        ("output tokens/s with draft", r["tokens_per_s_spec"]), ("output tokens/s without", r["tokens_per_s_baseline"]),
+        ("speedup", r["speedup"]), ("greedy outputs identical", r["greedy_identical"]),
+        ("checkpoint step", r["checkpoint"]["step"])]))
+
+
+@app.command()
+def validate(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Serve the exported draft in vLLM (eagle3) and without it on held-out prompts; write reports/validate.json.
+
+    Reports mean acceptance length, acceptance per position, tokens/s with and without the draft,
+    the speedup, and whether greedy outputs are identical. A PNG plot sits beside the JSON.
+    """
+    from .validate import validate as run_validate
+
+    cfg = _load(config, overrides)
+    _print_validation(run_validate(cfg))
+
+
+@app.command()
+def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+        no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars.")):
+    """The whole pipeline: prepare -> extract -> vocab -> train -> export -> check -> validate.
+
+    Each stage is skipped when its committed output already matches the config, so an interrupted
+    run resumes where it stopped. With no arguments it runs configs/smollm2-135m-cpu.yaml.
+    """
+    from .check import check_draft
+    from .export import export as run_export
+    from .extract import extract as run_extract
+    from .train import train as run_train
+    from .validate import validate as run_validate
+    from .verifier import VerifierSpec
+    from .vocab import build_vocab
+
+    cfg = _load(config, overrides)
+    t0 = time.time()
+    stamps = []
+
+    def stage(name, fn):
+        t = time.time()
+        console.rule(f"[bold]{name}")
+        out = fn()
+        stamps.append((name, time.time() - t))
+        return out
+
+    stage("prepare", lambda: _run_prepare(cfg))
+    s = stage("extract", lambda: run_extract(cfg, progress=not no_progress))
+    console.print(f"extract: {s.total_samples} samples, {s.total_tokens} tokens in the manifest"
+                  + (" (already complete)" if s.skipped else f", {s.tokens_per_s:.0f} tok/s this run"))
+    vs = stage("vocab", lambda: build_vocab(cfg))
+    console.print(f"vocab: {vs.draft_vocab_size} tokens cover {vs.coverage:.3f} of training answer tokens")
+    ts = stage("train", lambda: run_train(cfg))
+    console.print(f"train: {ts.steps} steps" + (" (already complete)" if ts.skipped else "")
+                  + (f"; held-out acc pos0 untrained {ts.untrained_metrics.get('val_full_acc_0', float('nan')):.3f}"
+                     if ts.untrained_metrics else "")
+                  + f"; best {ts.best_metrics.get('val_full_acc_0', float('nan')):.3f} at step {ts.best_step}")
+    ex = stage("export", lambda: run_export(cfg))
+    rep = stage("check", lambda: check_draft(ex.path if ex.local_dir is None else ex.local_dir,
+                                             VerifierSpec.from_config(cfg).model_path))
+    console.print(rep.render())
+    if not rep.ok:
+        raise typer.Exit(1)
+    r = stage("validate", lambda: run_validate(cfg))
+    _print_validation(r)
+    console.print(_kv_table("stage wall times (s)", [(n, f"{d:.1f}") for n, d in stamps]
+                            + [("total", f"{time.time() - t0:.1f}")]))
+    console.print(f"report: {storage.run_paths(cfg).uri}/reports/validate.json (+ validate.png)")
+    console.print(f"mean acceptance length {r['mean_acceptance_length']:.3f} at k={r['num_speculative_tokens']} on "
+                  f"{r['num_prompts']} {r['eval_set']} prompts; speedup {r['speedup']:.2f}; greedy identical "
+                  f"{r['greedy_identical']}")
 
 
 def main() -> None:

@@ -182,8 +182,20 @@ class TrainSection(_Strict):
     seed: int = 0
 
 
+class ValidateSection(_Strict):
+    """Serving validation (stage `validate`): vLLM with the exported draft vs without, on held-out prompts."""
+
+    eval: list[SourceSpec] = Field(default_factory=lambda: [SourceSpec(kind="mtbench")],
+                                   description="Held-out prompts (first user turns); mtbench or chat files.")
+    max_prompts: int = Field(40, ge=1)
+    num_speculative_tokens: int = Field(3, ge=1, description="k draft tokens per step.")
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0, description="0 = greedy; greedy outputs must match without the draft.")
+    max_num_seqs: int = Field(40, ge=1, description="Sequences in flight (same for both engines).")
+
+
 class Config(_Strict):
-    """A whole run. Sections: run, ray, verifier, data, extract, vocab, train."""
+    """A whole run. Sections: run, ray, verifier, data, extract, vocab, train, validation."""
 
     run: RunSection
     ray: RaySection = Field(default_factory=RaySection)
@@ -192,6 +204,7 @@ class Config(_Strict):
     extract: ExtractSection = Field(default_factory=ExtractSection)
     vocab: VocabSection = Field(default_factory=VocabSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    validation: ValidateSection = Field(default_factory=ValidateSection)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -84,8 +84,9 @@ def get_or_start_verifier(spec: VerifierSpec, min_replicas: int = 1, max_replica
     name = app_name(spec)
     apps = _running_apps()
     if name in apps and str(apps[name].status).endswith("RUNNING"):
-        log.info("reusing running verifier service %s", name)
-        return serve.get_app_handle(name)
+        handle = serve.get_app_handle(name)
+        _announce("reusing running", name, handle)
+        return handle
     serve.start(proxy_location="Disabled")
     autoscaling = {"min_replicas": min_replicas, "max_replicas": max_replicas, "initial_replicas": min_replicas,
                    "target_ongoing_requests": 1, "upscale_delay_s": 5, "downscale_delay_s": 60}
@@ -96,8 +97,16 @@ def get_or_start_verifier(spec: VerifierSpec, min_replicas: int = 1, max_replica
         handle = serve.run(dep.bind(spec.__dict__), name=name, route_prefix=None, blocking=False)
     except Exception as e:  # Serve raises RuntimeError with the replica's traceback
         raise RuntimeError(f"verifier service {name} failed to start: {e}") from e
-    log.info("verifier service %s up in %.1f s", name, time.time() - t0)
+    _announce(f"started ({time.time() - t0:.1f} s)", name, handle)
     return handle
+
+
+def _announce(what: str, name: str, handle) -> None:
+    """One line (stdout, so Ray Job logs carry it) naming the service and its replica's process."""
+    info = handle.info.remote().result()
+    print(f"[eagle3ray] verifier service {name} {what}: replica pid {info['pid']}, engine loads in that "
+          f"process {info['loads_in_process']}, loaded {info['uptime_seconds']:.0f} s ago "
+          f"(load took {info['load_seconds']:.1f} s), extract calls so far {info['extract_calls']}", flush=True)
 
 
 def stop_verifier(spec: VerifierSpec) -> bool:
@@ -117,8 +126,11 @@ def ensure_ray(cfg) -> bool:
     """
     if ray.is_initialized():
         return False
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=True)
+    import os
+
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")  # set for drivers of `ray job submit`
+    if address:
+        ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=True)
     else:
         ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
                  namespace=cfg.ray.namespace, _node_ip_address="127.0.0.1",

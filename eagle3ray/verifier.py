@@ -160,8 +160,11 @@ class VerifierEngine:
             (vLLM chunks longer prefills), so an extraction batch never prefills more than that.
     """
 
+    loads_in_process = 0  # engines loaded by this process (a reused service stays at 1)
+
     def __init__(self, spec: VerifierSpec | dict):
         self.spec = spec if isinstance(spec, VerifierSpec) else VerifierSpec(**spec)
+        VerifierEngine.loads_in_process += 1
         s = self.spec
         t0 = time.time()
         if s.device == "cpu":
@@ -200,7 +203,8 @@ class VerifierEngine:
         """Identity, load time (s), uptime (s), requests served, tokens processed, per-call batch tokens."""
         return {
             "identity_hash": self.spec.identity_hash(), "identity": self.spec.identity(), "pid": os.getpid(),
-            "load_seconds": self.load_seconds, "uptime_seconds": time.time() - self.loaded_at, **self.stats,
+            "load_seconds": self.load_seconds, "uptime_seconds": time.time() - self.loaded_at,
+            "loads_in_process": VerifierEngine.loads_in_process, **self.stats,
         }
 
     def extract(self, samples: list[dict], storage_dtype: str = "bfloat16") -> list[dict]:

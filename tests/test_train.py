@@ -58,11 +58,11 @@ def trained(ray_session, tmp_path_factory, tiny_verifier):
     build_vocab(cfg)
     trace = tmp / "trace"
     summary = train(cfg, fail_at_step=28, trace_dir=str(trace))
-    return cfg, summary, trace
+    return cfg, summary, trace, str(cfg_path)
 
 
 def test_training_beats_untrained_head(trained):
-    cfg, s, _ = trained
+    cfg, s, _, _ = trained
     assert s.untrained_metrics and s.best_metrics
     before, after = s.untrained_metrics["val_full_acc_0"], s.best_metrics["val_full_acc_0"]
     print(f"held-out accuracy at TTT position 0: untrained {before:.3f} -> trained {after:.3f}")
@@ -70,7 +70,7 @@ def test_training_beats_untrained_head(trained):
 
 
 def test_killed_worker_resumes_from_checkpoint_without_skipping_data(trained):
-    cfg, s, trace = trained
+    cfg, s, trace, _ = trained
     assert s.steps == MAX_STEPS
     # Checkpoints every 10 steps; the worker died at step 28. Ray Train restarts from the latest checkpoint
     # its controller registered (20, or 10 when the step-20 report had not reached it yet).
@@ -100,7 +100,7 @@ def test_killed_worker_resumes_from_checkpoint_without_skipping_data(trained):
 
 
 def test_rerun_of_finished_training_does_nothing(trained):
-    cfg, s, _ = trained
+    cfg, s, _, _ = trained
     again = train(cfg)
     assert again.skipped and again.steps == s.steps
 
@@ -110,7 +110,7 @@ def test_export_loads_in_vllm_and_keeps_greedy_text(trained, ray_session, tiny_v
 
     from eagle3ray.serving import ServingEngine, acceptance
 
-    cfg, _, _ = trained
+    cfg, _, _, _ = trained
     e = export(cfg)
     rep = check_draft(e.local_dir, tiny_verifier)
     assert rep.ok, rep.render()
@@ -174,7 +174,7 @@ def _cut_rows(name, n):
     ("hidden size", lambda c: c["transformer_layer_config"].update(hidden_size=256), None, "hidden_size"),
 ])
 def test_check_fails_on_mutated_exports(trained, tmp_path, tiny_verifier, label, config_edit, tensor_edit, expect):
-    cfg, _, _ = trained
+    cfg, _, _, _ = trained
     e = export(cfg)
     bad = _mutate(e.local_dir, tmp_path / "bad", config_edit, tensor_edit)
     rep = check_draft(bad, tiny_verifier)
@@ -183,7 +183,7 @@ def test_check_fails_on_mutated_exports(trained, tmp_path, tiny_verifier, label,
 
 
 def test_check_resolves_nested_text_config(trained, tmp_path, tiny_verifier):
-    cfg, _, _ = trained
+    cfg, _, _, _ = trained
     e = export(cfg)
     with open(os.path.join(tiny_verifier, "config.json")) as f:
         inner = json.load(f)
@@ -193,3 +193,28 @@ def test_check_resolves_nested_text_config(trained, tmp_path, tiny_verifier):
     p.write_text(json.dumps(nested))
     rep = check_draft(e.local_dir, str(p))
     assert rep.ok, rep.render()
+
+
+def test_run_after_interruption_skips_finished_stages_and_validates(trained):
+    """The fixture ran prepare..train (as if `run` was interrupted after train); `run` resumes from there."""
+    from typer.testing import CliRunner
+
+    from eagle3ray.cli import app
+
+    cfg, _, _, cfg_path = trained
+    r = CliRunner().invoke(app, ["run", "-c", cfg_path, "validation.max_prompts=4", "validation.max_new_tokens=16",
+                                 "validation.max_num_seqs=4", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert "prepare (already complete: skipped)" in out
+    assert "extract: 64 samples" in out and "(already complete)" in out
+    assert "train: 40 steps (already complete)" in out
+    paths = storage.run_paths(cfg)
+    rep = storage.read_json(paths.fs, f"{paths.sub('reports')}/validate.json")
+    for field in ("mean_acceptance_length", "acceptance_per_position", "num_speculative_tokens", "num_prompts",
+                  "eval_set", "tokens_per_s_spec", "tokens_per_s_baseline", "speedup", "checkpoint", "verifier"):
+        assert field in rep, field
+    assert rep["num_prompts"] == 4 and rep["eval_set"] == "mtbench" and len(rep["acceptance_per_position"]) == 3
+    assert rep["mean_acceptance_length"] >= 1.0 and rep["greedy_identical"] == "4/4"
+    with paths.fs.open(f"{paths.sub('reports')}/validate.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

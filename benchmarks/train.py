@@ -1,0 +1,109 @@
+"""Benchmark: draft-training throughput, Ray Train (1 and 2 workers) vs a plain single-process loop.
+
+All three train the same speculators ``Eagle3DraftModel`` on the same committed blocks of an existing
+run (one whose extract stage finished), with the same per-step token budget:
+
+1. plain: this process, pyarrow reads the blocks, packs and collates them exactly like the workers
+   (``row_to_sample``, ``pack_rows``, speculators' ``CollateFn``), AdamW steps; timed after 2 warm-up steps;
+2. Ray Train, 1 worker; 3. Ray Train, 2 workers: ``eagle3ray.train.train`` on copies of the run's blocks,
+   throughput from the workers' own report (tokens of the last checkpoint interval / its wall time,
+   evaluation excluded).
+
+Prints tokens/s and the 1-worker overhead vs plain (target <= 15%). On a 2-core machine two workers
+share the same cores, so the 2-worker figure shows the cost of data parallelism, not a speed-up.
+
+    .venv/bin/python benchmarks/train.py -c configs/smollm2-135m-cpu.yaml --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-c", "--config", default=None)
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+
+    import pyarrow.parquet as pq
+    import torch
+    from speculators.losses import resolve_loss_config
+    from speculators.train.data import CollateFn
+
+    from eagle3ray import blocks, storage
+    from eagle3ray.config import load_config
+    from eagle3ray.train import build_draft, pack_rows, row_to_sample, train
+    from eagle3ray.verifier import VerifierSpec
+    from eagle3ray.vocab import build_vocab, load_vocab
+
+    cfg = load_config(args.config, args.overrides)
+    src = storage.run_paths(cfg)
+    build_vocab(cfg)
+    man, files = blocks.read_committed(src.fs, src.hidden_states)
+    spec = VerifierSpec.from_config(cfg)
+    tc = cfg.train.model_dump()
+    budget = cfg.train.max_tokens_per_batch
+    print(f"blocks={len(files)} samples={man['counts']['samples']} tokens={man['counts']['tokens']} "
+          f"max_tokens_per_batch={budget} steps={args.steps}", flush=True)
+
+    # 1. plain loop
+    d2t, t2d = load_vocab(src)
+    draft = build_draft(spec.model_path, spec.layer_ids[:-1], d2t, t2d, tc)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tc["lr"])
+    loss_cfg = resolve_loss_config(tc["loss"], tc["loss_impl"])
+    collate = CollateFn(budget, spec.model_identity["hidden_size"], len(spec.layer_ids) - 1, dtype=torch.float32)
+
+    def rows():
+        while True:
+            for f in files:
+                with src.fs.open(f, "rb") as fh:
+                    for row in pq.read_table(fh).to_pylist():
+                        yield row["sample_id"], row_to_sample(row)
+
+    step_times, step_tokens = [], []
+    for i, group in enumerate(pack_rows(rows(), budget)):
+        if i >= args.steps + 2:
+            break
+        t = time.time()
+        batch = collate([s for _, s in group])
+        b = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        _, loss, _ = draft(**b, ttt_steps=tc["ttt_steps"], loss_config=loss_cfg)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), tc["grad_clip"])
+        opt.step()
+        if i >= 2:
+            step_times.append(time.time() - t)
+            step_tokens.append(int((batch["document_ids"] >= 0).sum()))
+    plain = sum(step_tokens) / sum(step_times)
+    print(f"plain loop: {plain:.0f} tok/s (median step {statistics.median(step_times):.2f} s)", flush=True)
+    del draft, opt
+
+    results = {"plain": plain}
+    tmp = tempfile.mkdtemp(prefix="e3r-bench-train-")
+    for workers in (1, 2):
+        name = f"bench-train-{workers}w"
+        over = [*args.overrides, f"run.storage=file://{tmp}", f"run.name={name}",
+                f"train.num_workers={workers}", f"train.max_steps={args.steps}",
+                f"train.checkpoint_every={max(1, args.steps // 2)}", "train.max_failures=0"]
+        wcfg = load_config(args.config, over)
+        dst = storage.run_paths(wcfg)
+        for sub in ("hidden_states", "vocab", "conversations"):
+            src.fs.copy(src.sub(sub), dst.sub(sub), recursive=True)
+        s = train(wcfg)
+        tps = s.final_metrics.get("tokens_per_s", float("nan"))
+        results[f"ray_train_{workers}w"] = tps
+        print(f"ray train {workers} worker(s): {tps:.0f} tok/s (last interval of {args.steps // 2} steps)",
+              flush=True)
+    print("\ntokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in results.items()))
+    print(f"1-worker overhead vs plain: {(1 - results['ray_train_1w'] / plain) * 100:.1f}% (target <= 15%)")
+    print(f"2 workers / 1 worker: {results['ray_train_2w'] / results['ray_train_1w']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Stage ``validate``: vLLM with the exported EAGLE-3 draft vs without it, on held-out prompts.
+
+Two serving actors (:class:`eagle3ray.serving.ServingEngine` in Ray actors), one after the other
+so that they never compete for the same cores or GPUs: the verifier with
+``speculative_config={"method": "eagle3", "model": <export>, "num_speculative_tokens": k}``, then
+the verifier alone, both on the same prompts with the same sampling settings (temperature 0 by
+default) and the same number of sequences in flight.
+
+From vLLM's spec-decode counters: mean acceptance length (1 + accepted / drafts) and acceptance
+rate per position; from wall time: output tokens/s with and without the draft, and their ratio
+(``speedup``). Greedy outputs must be identical; differences are reported by prompt.
+
+Writes ``<run>/reports/validate.json`` (the fields DESIGN.md lists and more) and
+``<run>/reports/validate.png`` (acceptance per position; training curves when present).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import tempfile
+import time
+
+from . import storage
+from .sources import read_chat, read_mtbench, Record
+
+log = logging.getLogger(__name__)
+
+
+def eval_prompts(specs, max_prompts: int) -> tuple[list[list[dict]], str]:
+    """First-turn prompts ([{"role": "user", ...}]) of the evaluation sets, and the set's name."""
+    convs, names = [], []
+    for spec in specs:
+        names.append(spec.kind if not spec.path else f"{spec.kind}:{os.path.basename(spec.path)}")
+        if spec.kind == "mtbench":
+            convs += [[{"role": "user", "content": q["turns"][0]}] for q in read_mtbench(spec.path, spec.max_records)]
+        elif spec.kind == "chat":
+            for rec in read_chat(spec.path, spec.max_records):
+                if isinstance(rec, Record):
+                    convs.append([m for m in rec.messages if m["role"] != "assistant"][:1])
+        else:
+            raise ValueError(f"validation.eval: kind {spec.kind!r} is not an evaluation set (mtbench, chat)")
+    return convs[:max_prompts], "+".join(names)
+
+
+def _local_export(paths: storage.RunPaths) -> str:
+    """The export folder as a local path (downloaded from object storage when needed)."""
+    src = paths.sub("export")
+    if storage.is_local(paths.fs):
+        return src
+    dst = tempfile.mkdtemp(prefix="eagle3ray-export-")
+    paths.fs.get(src + "/", dst + "/", recursive=True)
+    return dst
+
+
+def plot_report(report: dict, history: list[dict], path_png: str) -> bytes:
+    """PNG bytes: acceptance rate per position (bars) and, when present, held-out accuracy per TTT step
+    over training steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = [m for m in history if "val_full_acc_0" in m]
+    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(11 if curves else 6, 4))
+    axes = axes if curves else [axes]
+    acc = report["acceptance_per_position"]
+    ax = axes[0]
+    ax.bar([str(i + 1) for i in range(len(acc))], acc, color="#3b7dd8")
+    for i, a in enumerate(acc):
+        ax.text(i, a, f"{a:.2f}", ha="center", va="bottom")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_title(f"{report['eval_set']} ({report['num_prompts']} prompts, k={report['num_speculative_tokens']})\n"
+                 f"mean acceptance length {report['mean_acceptance_length']:.2f}")
+    if curves:
+        ax = axes[1]
+        steps = [m["step"] for m in curves]
+        k = 0
+        while any(f"val_full_acc_{k}" in m for m in curves):
+            ax.plot(steps, [m.get(f"val_full_acc_{k}", float("nan")) for m in curves], marker="o",
+                    label=f"TTT step {k}")
+            k += 1
+        ax.set_xlabel("training step")
+        ax.set_ylabel("held-out accuracy")
+        ax.set_title("draft training (held-out blocks)")
+        ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def validate(cfg, force: bool = False) -> dict:
+    """Run the validate stage; returns the report dict (also written to storage).
+
+    Raises:
+        FileNotFoundError: no export (run `eagle3ray export`).
+    """
+    import ray
+    from transformers import AutoTokenizer
+
+    from .serving import ServingEngine, acceptance
+    from .service import ensure_ray
+    from .train import read_metrics
+    from .verifier import VerifierSpec
+
+    paths = storage.run_paths(cfg)
+    prov = storage.read_json(paths.fs, f"{paths.sub('export')}/provenance.json")
+    if not prov:
+        raise FileNotFoundError(f"{paths.uri}/export: no finished export; run `eagle3ray export`")
+    rep_path = f"{paths.sub('reports')}/validate.json"
+    vc = cfg.validation
+    settings = json.loads(vc.model_dump_json())
+    old = storage.read_json(paths.fs, rep_path)
+    if old and not force and old.get("checkpoint", {}).get("path") == prov["checkpoint"] \
+            and old.get("settings") == settings:
+        old["skipped"] = True
+        return old
+    spec = VerifierSpec.from_config(cfg)
+    tok = AutoTokenizer.from_pretrained(spec.model_path)
+    convs, eval_name = eval_prompts(vc.eval, vc.max_prompts)
+    prompts = []
+    for c in convs:
+        ids = tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    draft_dir = _local_export(paths)
+    ensure_ray(cfg)
+    v = cfg.verifier
+    opts = {"num_cpus": v.num_cpus}
+    if v.num_gpus:
+        opts["num_gpus"] = v.num_gpus
+    Engine = ray.remote(**opts)(ServingEngine)
+    common = dict(dtype=v.dtype, max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
+                  max_num_seqs=vc.max_num_seqs, cpu_kv_cache_gib=v.cpu_kv_cache_gib, seed=v.seed,
+                  gpu_memory_utilization=v.gpu_memory_utilization, tensor_parallel_size=v.tensor_parallel_size,
+                  device=v.device)
+    t0 = time.time()
+    eng = Engine.options(name=None).remote(spec.model_path, draft_dir=draft_dir,
+                                           num_speculative_tokens=vc.num_speculative_tokens, **common)
+    with_draft = ray.get(eng.generate.remote(prompts, vc.max_new_tokens, vc.temperature))
+    acc = acceptance(ray.get(eng.spec_counters.remote()))
+    ray.kill(eng)
+    base = Engine.remote(spec.model_path, draft_dir=None, **common)
+    without = ray.get(base.generate.remote(prompts, vc.max_new_tokens, vc.temperature))
+    ray.kill(base)
+    diffs = [i for i, (a, b) in enumerate(zip(with_draft["outputs"], without["outputs"])) if a != b]
+    tps_spec = with_draft["output_tokens"] / with_draft["seconds"]
+    tps_base = without["output_tokens"] / without["seconds"]
+    report = {
+        "mean_acceptance_length": acc["mean_acceptance_length"],
+        "acceptance_per_position": acc["acceptance_per_position"],
+        "num_speculative_tokens": vc.num_speculative_tokens,
+        "num_prompts": len(prompts),
+        "eval_set": eval_name,
+        "tokens_per_s_spec": tps_spec,
+        "tokens_per_s_baseline": tps_base,
+        "speedup": tps_spec / tps_base if tps_base else None,
+        "greedy_identical": f"{len(prompts) - len(diffs)}/{len(prompts)}" if vc.temperature == 0 else "n/a",
+        "greedy_differences": [{"prompt": i, "with_draft": tok.decode(with_draft["outputs"][i][:40]),
+                                "without": tok.decode(without["outputs"][i][:40])} for i in diffs[:10]],
+        "output_tokens_spec": with_draft["output_tokens"], "output_tokens_baseline": without["output_tokens"],
+        "seconds_spec": with_draft["seconds"], "seconds_baseline": without["seconds"],
+        "num_drafts": acc["num_drafts"], "num_draft_tokens": acc["num_draft_tokens"],
+        "num_accepted_tokens": acc["num_accepted_tokens"],
+        "checkpoint": {"path": prov["checkpoint"], "step": prov.get("step"), "metrics": prov.get("metrics", {})},
+        "verifier": {**spec.model_identity, "path": spec.model_path, "layer_ids": spec.layer_ids},
+        "device": v.device, "dtype": v.dtype, "temperature": vc.temperature, "max_new_tokens": vc.max_new_tokens,
+        "max_num_seqs": vc.max_num_seqs, "settings": settings, "wall_seconds": time.time() - t0,
+        "created_at": time.time(),
+    }
+    png = plot_report(report, read_metrics(paths), f"{paths.sub('reports')}/validate.png")
+    storage.write_bytes_atomic(paths.fs, f"{paths.sub('reports')}/validate.png", png)
+    storage.write_json_atomic(paths.fs, rep_path, report)
+    report["report_path"] = f"{paths.uri}/reports/validate.json"
+    return report

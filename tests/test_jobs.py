@@ -1,0 +1,120 @@
+"""The pipeline as Ray Jobs on a local cluster started like a user would (`ray start --head`), with the
+dashboard and token authentication on, bound to 127.0.0.1. A second job reuses the running verifier.
+
+This module starts its own cluster in subprocesses (its own ports and temp dir) and stops exactly
+those processes, leaving the in-process test cluster of the other modules alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import TINY_AUX, write_chat_jsonl
+from test_extract import _convs
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update({"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                "PATH": f"{VENV_BIN}:{env.get('PATH', '')}"})
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A Ray head on 127.0.0.1 with the dashboard and token auth; yields the dashboard address."""
+    import psutil
+
+    tmp = tmp_path_factory.mktemp("raycluster")
+    temp_dir = f"/tmp/e3r-jobs-{os.getpid()}"  # short: Ray's socket paths must stay under 108 chars
+    gcs, dash = _free_port(), _free_port()
+    cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+           "--num-cpus=4", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    address = f"http://127.0.0.1:{dash}"
+    yield {"address": address, "tmp": tmp}
+    # Stop only this cluster's processes (identified by its temp dir / GCS port).
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if temp_dir in cmdline or f"--gcs-address=127.0.0.1:{gcs}" in cmdline or f":{gcs} " in cmdline:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+    subprocess.run(["rm", "-rf", temp_dir])
+
+
+def _submit_and_wait(address: str, entrypoint: str, timeout: float = 900) -> tuple[str, str]:
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    client = JobSubmissionClient(address)
+    job = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(REPO),
+                                                                "excludes": [".venv", "runs", ".git"]})
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        status = client.get_job_status(job)
+        if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            return str(status), client.get_job_logs(job)
+        time.sleep(3)
+    client.stop_job(job)
+    return "TIMEOUT", client.get_job_logs(job)
+
+
+def test_pipeline_as_ray_job_then_second_job_reuses_verifier(cluster, tiny_verifier):
+    tmp = cluster["tmp"]
+    train_file = write_chat_jsonl(tmp / "train.jsonl", _convs(24, seed=11))
+    cfg = tmp / "job.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "run": {"name": "job1", "storage": f"file://{tmp}/runs"},
+        "verifier": {"model": tiny_verifier, "aux_layer_ids": TINY_AUX, "max_model_len": 512,
+                     "cpu_kv_cache_gib": 1, "num_cpus": 0.5},
+        "data": {"train": [{"kind": "chat", "path": str(train_file)}], "eval": [{"kind": "mtbench"}]},
+        "extract": {"max_tokens_per_batch": 512},
+        "vocab": {"draft_vocab_size": 256},
+        "train": {"num_workers": 1, "max_steps": 4, "checkpoint_every": 2, "max_tokens_per_batch": 256,
+                  "val_fraction": 0.2},
+        "validation": {"max_prompts": 2, "max_new_tokens": 8, "max_num_seqs": 2},
+    }))
+    status, logs = _submit_and_wait(cluster["address"], f"{sys.executable} jobs/run.py -c {cfg} --no-progress")
+    assert status == "SUCCEEDED", logs[-4000:]
+    assert "mean acceptance length" in logs
+    report = yaml.safe_load((tmp / "runs" / "job1" / "reports" / "validate.json").read_text())
+    assert report["num_prompts"] == 2 and report["greedy_identical"] == "2/2"
+    started = re.search(r"verifier service (\S+) started .*?replica pid (\d+), engine loads in that process (\d+)",
+                        logs)
+    assert started, logs[-3000:]
+
+    # Second job, another run on the same verifier: the running service is reused, not loaded again.
+    status2, logs2 = _submit_and_wait(cluster["address"],
+                                      f"{sys.executable} jobs/extract.py -c {cfg} run.name=job2 --no-progress")
+    assert status2 == "SUCCEEDED", logs2[-4000:]
+    reused = re.search(r"verifier service (\S+) reusing running: replica pid (\d+), engine loads in that process "
+                       r"(\d+)", logs2)
+    assert reused, logs2[-3000:]
+    assert reused.group(1) == started.group(1) and reused.group(2) == started.group(2)
+    assert reused.group(3) == "1"  # the replica process loaded its engine once
