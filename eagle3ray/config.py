@@ -45,6 +45,15 @@ class RunSection(_Strict):
         None, description="S3-compatible endpoint (e.g. http://127.0.0.1:9000). Credentials come from the environment."
     )
 
+    @field_validator("storage")
+    @classmethod
+    def _absolute_storage(cls, v: str) -> str:
+        # Relative file:// roots resolve against the directory the command runs in, once, here:
+        # Ray workers run in other working directories.
+        from .storage import normalize_root
+
+        return normalize_root(v)
+
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:

@@ -85,6 +85,15 @@ def make_cfg(tmp_path, tiny_verifier):
     return _make
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (test servers bind to loopback only)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def write_chat_jsonl(path: Path, conversations: list[list[dict]]) -> Path:
     import json
 

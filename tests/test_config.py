@@ -52,3 +52,11 @@ def test_layer_ids_default_and_validation():
         resolve_layer_ids([2, 15, 31], 30)
     with pytest.raises(ValueError, match="appended automatically"):
         resolve_layer_ids([2, 15, 30], 30)
+
+
+def test_relative_storage_is_resolved_once_against_the_working_directory(tmp_path, monkeypatch):
+    # Ray workers run in other directories: a relative root must already be absolute in the config.
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["run.storage=file://./runs"])
+    assert cfg.run.storage == f"file://{tmp_path}/runs"
+    assert load_config(None, ["run.storage=s3://bucket/prefix"]).run.storage == "s3://bucket/prefix"

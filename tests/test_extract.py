@@ -7,7 +7,6 @@ reused), so the engine loads once per session.
 from __future__ import annotations
 
 import json
-import socket
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -18,7 +17,7 @@ from eagle3ray.extract import extract, plan_units
 from eagle3ray.prepare import prepare
 from eagle3ray.sources import read_mtbench
 
-from conftest import TINY_AUX, write_chat_jsonl
+from conftest import TINY_AUX, free_port, write_chat_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -191,17 +190,12 @@ def test_interrupted_extraction_resumes_exactly_once(ray_session, tmp_path, make
     assert again.skipped and again.total_samples == 40
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_extract_to_s3_on_local_endpoint(ray_session, tmp_path, make_cfg):
     import boto3
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     try:

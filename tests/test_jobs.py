@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TINY_AUX, write_chat_jsonl
+from conftest import TINY_AUX, free_port, write_chat_jsonl
 from test_extract import _convs
 
 pytestmark = pytest.mark.slow
@@ -27,11 +26,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -49,7 +43,7 @@ def cluster(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("raycluster")
     temp_dir = f"/tmp/e3r-jobs-{os.getpid()}"  # short: Ray's socket paths must stay under 108 chars
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash = free_port(), free_port()
     cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            "--num-cpus=4", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
