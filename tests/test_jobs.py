@@ -65,10 +65,19 @@ def cluster(tmp_path_factory):
 def _submit_and_wait(address: str, entrypoint: str, timeout: float = 900) -> tuple[str, str]:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    os.environ["RAY_AUTH_MODE"] = "token"
-    client = JobSubmissionClient(address)
-    job = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(REPO),
-                                                                "excludes": [".venv", "runs", ".git"]})
+    # Token authentication is on: `ray start` (RAY_AUTH_MODE=token) wrote ~/.ray/auth_token if it was missing.
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    client = JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"})
+    deadline = time.time() + 120
+    while True:  # right after `ray start` the dashboard answers before its job agent is up
+        try:
+            job = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(REPO),
+                                                                        "excludes": [".venv", "runs", ".git"]})
+            break
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.time() > deadline:
+                raise
+            time.sleep(3)
     t0 = time.time()
     while time.time() - t0 < timeout:
         status = client.get_job_status(job)
