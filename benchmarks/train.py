@@ -51,7 +51,10 @@ def main() -> None:
     print(f"blocks={len(files)} samples={man['counts']['samples']} tokens={man['counts']['tokens']} "
           f"max_tokens_per_batch={budget} steps={args.steps}", flush=True)
 
-    # 1. plain loop
+    # 1. plain loop, with the threads one Ray Train worker gets (Ray sets OMP_NUM_THREADS to its CPUs, >= 1)
+    threads = max(1, int(cfg.train.cpus_per_worker))
+    torch.set_num_threads(threads)
+    print(f"plain loop torch threads: {threads} (= one worker's)", flush=True)
     d2t, t2d = load_vocab(src)
     draft = build_draft(spec.model_path, spec.layer_ids[:-1], d2t, t2d, tc)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tc["lr"])
