@@ -44,6 +44,10 @@ def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("raycluster")
     temp_dir = f"/tmp/e3r-jobs-{os.getpid()}"  # short: Ray's socket paths must stay under 108 chars
     gcs, dash = free_port(), free_port()
+    # `ray start` with RAY_AUTH_MODE=token needs a token; create the default one if this machine has none.
+    r = subprocess.run([str(VENV_BIN / "ray"), "get-auth-token", "--generate"], env=_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
     cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            "--num-cpus=4", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
