@@ -7,6 +7,12 @@ bf16 autocast, blocks encoded with eagle3ray's bf16 storage format, ``row_to_sam
 are downloaded). Prints per-check results and throughput; exits non-zero if a check fails.
 
     python benchmarks/gpu_draft_step.py --steps 30
+
+On a lent device machine (PyTorch/transformers/pyarrow/fsspec present, no speculators), carry py3.12
+wheels of: speculators==0.9.0 and what importing it needs there: pydantic==2.14.4 pydantic_core==2.50.5
+annotated-types typing-inspection typing_extensions pydantic-settings python-dotenv datasets==5.1.0
+dill multiprocess openai jiter distro sniffio hs-connectors==0.9.0 loguru (about 7 MB); install them
+with ``pip install --no-deps --target /tmp/site`` and put /tmp/site and the repo on PYTHONPATH.
 """
 
 from __future__ import annotations
