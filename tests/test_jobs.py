@@ -43,14 +43,22 @@ def cluster(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("raycluster")
     temp_dir = f"/tmp/e3r-jobs-{os.getpid()}"  # short: Ray's socket paths must stay under 108 chars
-    gcs, dash = free_port(), free_port()
+    ports: set[int] = set()
+    while len(ports) < 9:
+        ports.add(free_port())
+    gcs, dash, *agent_ports = sorted(ports)
     # `ray start` with RAY_AUTH_MODE=token needs a token; create the default one if this machine has none.
     r = subprocess.run([str(VENV_BIN / "ray"), "get-auth-token", "--generate"], env=_env(), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-           "--num-cpus=4", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+           "--num-cpus=4", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+           # The other test modules' in-process cluster holds Ray's default agent ports: take free ones.
+           *(f"--{name}={port}" for name, port in zip((
+               "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+               "runtime-env-agent-port", "node-manager-port", "object-manager-port", "ray-client-server-port"),
+               agent_ports))]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     address = f"http://127.0.0.1:{dash}"
