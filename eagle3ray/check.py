@@ -74,10 +74,13 @@ def safetensors_header(path: str) -> dict[str, dict]:
 
 
 def text_config(cfg: dict) -> dict:
-    """The language model's settings of a (possibly nested, multimodal) HF config."""
+    """The language model's settings of a (possibly nested, multimodal) HF ``config.json`` dict
+    (``text_config``/``language_config``/``llm_config``; a top-level ``quantization_config`` is carried in)."""
     for key in ("text_config", "language_config", "llm_config"):
         if isinstance(cfg.get(key), dict):
             inner = dict(cfg[key])
+            if "quantization_config" not in inner and "quantization_config" in cfg:
+                inner["quantization_config"] = cfg["quantization_config"]
             return inner
     return cfg
 

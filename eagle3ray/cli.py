@@ -12,6 +12,7 @@ Precedence: override > YAML > default. Unknown keys are an error.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -178,13 +179,51 @@ def export(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = 
 
 
 @app.command()
-def check(draft: str = typer.Option(..., "--draft", help="Exported draft folder (config.json + safetensors)."),
-          verifier: str = typer.Option(..., "--verifier", help="Verifier folder or its config.json (no weights read).")):
-    """Offline: will stock vLLM load this EAGLE-3 draft for this verifier? Exit 1 names each problem."""
-    from .check import check_draft
+def check(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+          draft: Optional[str] = typer.Option(None, "--draft", help="Check an exported draft folder instead "
+                                              "(config.json + safetensors headers) against --verifier."),
+          verifier: Optional[str] = typer.Option(None, "--verifier", help="With --draft: the verifier's folder or "
+                                                 "config.json (no weights read)."),
+          cluster: bool = typer.Option(False, "--cluster", help="Also check the Ray resources the plan needs "
+                                       "against the cluster at ray.address / RAY_ADDRESS."),
+          as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")):
+    """Preflight, offline and in seconds: will this config run, and will vLLM load its draft?
 
-    rep = check_draft(draft, verifier)
-    print(rep.render())
+    Reads configs only (no weights): the draft it will build (hidden size, heads, head_dim, vocab sizes,
+    aux layer ids, the tensor shapes vLLM allocates), vLLM's own eagle3 config hook on it, tensor
+    parallelism against the heads, the verifier's memory per GPU for extract.max_tokens_per_batch (and the
+    largest budget that fits), hidden-state storage against extract.max_storage_gib, and with --cluster
+    the Ray resources. Exit 1 names each problem and the config field to change.
+
+    With --draft/--verifier it checks an exported draft's weights against a verifier instead.
+    """
+    if draft is not None:
+        from .check import check_draft
+
+        if verifier is None:
+            raise typer.BadParameter("--draft needs --verifier (folder or config.json)")
+        rep = check_draft(draft, verifier)
+        print(rep.render())
+        if not rep.ok:
+            raise typer.Exit(1)
+        return
+    from .preflight import PreflightError, preflight, render
+
+    cfg = _load(config, overrides)
+    nodes = None
+    if cluster:
+        import ray
+
+        from .service import ensure_ray
+
+        ensure_ray(cfg)
+        nodes = ray.nodes()
+    try:
+        rep = preflight(cfg, str(config or "configs/smollm2-135m-cpu.yaml"), nodes)
+    except PreflightError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    print(json.dumps(rep.to_json(), indent=1) if as_json else render(rep))
     if not rep.ok:
         raise typer.Exit(1)
 

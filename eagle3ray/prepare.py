@@ -52,12 +52,18 @@ class PrepareSummary:
 
 
 def _config_hash(cfg, spec_identity: dict) -> str:
-    blob = cfg.data.model_dump_json() + repr(sorted(spec_identity.items()))
+    blob = cfg.data.model_dump_json(exclude={"tokens_per_sample_estimate"}) + repr(sorted(spec_identity.items()))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def collect_records(cfg, rejected: RejectCounter) -> list[Record]:
-    """Training records after eval de-duplication and duplicate removal, at most ``data.max_samples``."""
+def _prompt_ids(tokenizer, msgs: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+
+
+def collect_records(cfg, rejected: RejectCounter, tokenizer=None) -> list[Record]:
+    """Training records after eval de-duplication, duplicate removal and ``data.max_prompt_tokens``
+    (needs ``tokenizer``), at most ``data.max_samples``."""
     held_out = {normalize_text(p) for p in eval_prompts(cfg.data.eval)}
     seen: set[str] = set()
     ids: set[str] = set()
@@ -76,6 +82,17 @@ def collect_records(cfg, rejected: RejectCounter) -> list[Record]:
                 rejected.add("duplicate", rec.sample_id, "same user turns as an earlier record")
                 continue
             seen.add(key)
+            if cfg.data.max_prompt_tokens and tokenizer is not None:
+                first = []
+                for m in rec.messages:
+                    first.append(m)
+                    if m["role"] == "user":
+                        break
+                n = len(_prompt_ids(tokenizer, first))
+                if n > cfg.data.max_prompt_tokens:
+                    rejected.add("too_long", rec.sample_id,
+                                 f"first prompt of {n} tokens > data.max_prompt_tokens {cfg.data.max_prompt_tokens}")
+                    continue
             sid = rec.sample_id
             while sid in ids:  # ids must be unique in the run
                 sid += "+"
@@ -118,8 +135,7 @@ def regenerate_answers(cfg, records: list[Record], tokenizer, handle, rejected: 
             if k >= len(users[sid]):
                 continue
             msgs = convs[sid] + [users[sid][k]]
-            ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = _prompt_ids(tokenizer, msgs)
             if len(ids) > limit:
                 if k == 0:
                     rejected.add("too_long", sid, f"prompt of {len(ids)} tokens leaves no room for "
@@ -170,7 +186,7 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
         return s
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     rejected = RejectCounter()
-    records = collect_records(cfg, rejected)
+    records = collect_records(cfg, rejected, tokenizer)
     if cfg.data.regenerate:
         from .service import ensure_ray, get_or_start_verifier
 

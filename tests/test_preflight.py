@@ -1,0 +1,162 @@
+"""Preflight (`eagle3ray check -c CONFIG`): offline, configs only, for every shipped config and for the
+mistakes it exists to catch (a token budget that cannot fit, aux layer ids past the depth, hidden states
+over the storage limit, TP that does not divide the heads)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3ray.config import load_config
+from eagle3ray.preflight import (
+    check_cluster,
+    draft_layer_config,
+    memory_plan,
+    preflight,
+    required_resources,
+    weight_bytes,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL = ["llama-3.1-8b-instruct", "qwen3-8b", "kimi-k2.5"]
+
+
+def _cfg(name: str, *overrides: str):
+    return load_config(ROOT / "configs" / f"{name}.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_shipped_config_passes_offline_in_seconds(name, tmp_path):
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "eagle3ray.cli", "check", "-c", f"configs/{name}.yaml", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "NO_PROXY": "*"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["ok"] and rep["problems"] == []
+    assert time.time() - t0 < 60
+    assert rep["memory"]["budget_gib"] > rep["memory"]["total_gib"] > rep["memory"]["weights_gib"] > 0
+    assert rep["storage"]["gib"] < rep["storage"]["limit_gib"]
+    assert rep["resources"]["required"]["replica_bundles"] == [{"GPU": 1}] * 8
+    assert rep["shapes"]["model.fc.weight"] == [rep["verifier"]["hidden_size"], 3 * rep["verifier"]["hidden_size"]]
+
+
+def test_kimi_draft_shapes_and_memory_plan():
+    rep = preflight(_cfg("kimi-k2.5"))
+    assert rep.ok, rep.problems
+    assert rep.verifier["nested_text_config"] and rep.verifier["num_hidden_layers"] == 61
+    assert rep.draft["head_dim"] == 128 and rep.draft["head_dim_from"] == "train.draft_head_dim"
+    assert rep.draft["layer_ids"] == [2, 30, 58, 61]
+    assert rep.draft["vllm_architecture"] == "Eagle3LlamaForCausalLM"
+    assert rep.shapes["model.layers.0.self_attn.q_proj.weight"] == [64 * 128, 2 * 7168]
+    assert rep.shapes["model.layers.0.self_attn.o_proj.weight"] == [7168, 64 * 128]
+    assert rep.shapes["model.fc.weight"] == [7168, 3 * 7168]
+    # ~1T parameters, INT4 routed experts: about 550 GiB of weights, 1/8 of it per GPU at TP 8
+    assert 1.0e12 < rep.memory["params_billion"] * 1e9 < 1.1e12
+    assert 520 < rep.memory["weights_total_gib"] < 580
+    assert rep.memory["weights_gib"] == pytest.approx(rep.memory["weights_total_gib"] / 8)
+
+
+def test_llama_and_qwen_drafts_keep_their_layer_type():
+    for name, arch, hd_from in [("llama-3.1-8b-instruct", "Eagle3LlamaForCausalLM", "hidden_size / num_attention_heads"),
+                                ("qwen3-8b", "Eagle3Qwen3ForCausalLM", "verifier config head_dim")]:
+        rep = preflight(_cfg(name))
+        assert rep.draft["vllm_architecture"] == arch
+        assert rep.draft["head_dim"] == 128 and rep.draft["head_dim_from"] == hd_from
+        assert rep.shapes["model.layers.0.self_attn.k_proj.weight"] == [8 * 128, 2 * 4096]
+
+
+def test_token_budget_that_cannot_fit_names_the_largest_that_fits():
+    rep = preflight(_cfg("kimi-k2.5", "extract.max_tokens_per_batch=503000"))
+    assert not rep.ok
+    (msg,) = [p for p in rep.problems if p.startswith("extract.max_tokens_per_batch")]
+    best = rep.memory["max_fitting_tokens_per_batch"]
+    assert f"largest extract.max_tokens_per_batch that fits is {best:,}" in msg
+    assert 16384 <= best < 503000
+    # the named budget really fits, one step more does not
+    assert preflight(_cfg("kimi-k2.5", f"extract.max_tokens_per_batch={best}")).ok
+    assert not preflight(_cfg("kimi-k2.5", f"extract.max_tokens_per_batch={best + 4096}")).ok
+
+
+def test_weights_that_cannot_fit_ask_for_more_tensor_parallelism():
+    rep = preflight(_cfg("kimi-k2.5", "verifier.gpu_memory_gib=64"))  # H100 80 GB holds it, barely
+    (msg,) = [p for p in rep.problems if p.startswith("extract.max_tokens_per_batch")]
+    assert "raise verifier.tensor_parallel_size" in msg and "TP >= " in msg
+
+
+def test_aux_layer_past_depth_fails():
+    rep = preflight(_cfg("llama-3.1-8b-instruct", "verifier.aux_layer_ids=[2,16,33]"))
+    assert not rep.ok
+    assert any("aux_layer_ids" in p and "[0, 32)" in p and "33" in p for p in rep.problems), rep.problems
+    # the off-by-one: L itself is the final pre-norm state, appended automatically
+    rep = preflight(_cfg("llama-3.1-8b-instruct", "verifier.aux_layer_ids=[2,16,32]"))
+    assert any("32 (= num_hidden_layers) is the final pre-norm state" in p for p in rep.problems), rep.problems
+
+
+def test_storage_over_limit_fails():
+    rep = preflight(_cfg("qwen3-8b", "extract.max_storage_gib=100"))
+    (msg,) = [p for p in rep.problems if p.startswith("extract.max_storage_gib")]
+    assert "the limit holds 3,276,800 tokens" in msg  # 100 GiB / (4 layers x 4096 x 2 B)
+
+
+def test_tp_that_does_not_divide_heads_fails():
+    rep = preflight(_cfg("llama-3.1-8b-instruct", "verifier.tensor_parallel_size=3"))
+    assert any("tensor_parallel_size 3 does not divide the verifier's 32 attention heads" in p for p in rep.problems)
+
+
+def test_cli_exit_code_and_message():
+    proc = subprocess.run([sys.executable, "-m", "eagle3ray.cli", "check", "-c", "configs/qwen3-8b.yaml",
+                           "verifier.tensor_parallel_size=6"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "PROBLEM" in proc.stdout and "does not divide" in proc.stdout
+
+
+def test_memory_plan_terms_scale_with_the_token_budget():
+    t = json.loads((ROOT / "configs/verifiers/Llama-3.1-8B-Instruct/config.json").read_text())
+    kw = dict(tp=8, dtype="bfloat16", max_model_len=8192, num_captured_layers=4, max_num_seqs=256,
+              gpu_memory_gib=80, gpu_memory_utilization=0.9)
+    a, b = memory_plan(t, max_tokens_per_batch=65536, **kw), memory_plan(t, max_tokens_per_batch=131072, **kw)
+    assert a.weights_gib == b.weights_gib
+    assert b.kv_cache_gib == pytest.approx(2 * a.kv_cache_gib)
+    # 8 KV heads over TP 8 = 1 head per GPU: 32 layers x 2 x 1 x 128 x 2 bytes per token
+    assert a.kv_bytes_per_token == 32 * 2 * 1 * 128 * 2
+    # weights: 8.03B params at bf16 (embeddings untied)
+    assert weight_bytes(t, "bfloat16")["params"] == pytest.approx(8.03e9, rel=0.01)
+
+
+def test_cluster_placement_needs_tp_gpus_on_one_node():
+    cfg = _cfg("llama-3.1-8b-instruct", "extract.min_actors=2")
+    req = required_resources(cfg)
+    node = lambda gpus: {"Alive": True, "Resources": {"CPU": 64, "GPU": gpus}}  # noqa: E731
+    assert check_cluster(req, [node(8), node(8)]) == []
+    probs = check_cluster(req, [node(4), node(4), node(4), node(4)])  # 16 GPUs, but no node holds 8
+    assert any("STRICT_PACK" in p and "room for 0" in p for p in probs)
+    probs = check_cluster(required_resources(_cfg("llama-3.1-8b-instruct", "train.num_workers=32")), [node(8)])
+    assert any("train.num_workers 32" in p for p in probs)
+
+
+def test_draft_layer_config_builds_in_speculators(tiny_verifier):
+    """The layer config preflight prints is the one training builds (explicit head_dim honoured)."""
+    from transformers import AutoConfig
+
+    vt = json.loads((Path(tiny_verifier) / "config.json").read_text())
+    d = draft_layer_config(vt, 1, head_dim_override=64)
+    cfg = AutoConfig.for_model(**d)
+    assert cfg.head_dim == 64 and cfg.num_hidden_layers == 1 and cfg.model_type == "llama"
+    mla = {"model_type": "kimi_k2", "hidden_size": 96, "intermediate_size": 160, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "vocab_size": 300, "rms_norm_eps": 1e-5, "kv_lora_rank": 16,
+           "qk_rope_head_dim": 8, "head_dim": 8, "max_position_embeddings": 256}
+    d = draft_layer_config(mla, 1)
+    assert d["model_type"] == "llama" and d["head_dim"] == 24  # MLA's head_dim is RoPE-only: not taken
+    assert "kv_lora_rank" not in d
+
+
+def test_default_cpu_config_preflight(smollm2_dir):
+    rep = preflight(load_config(None))
+    assert rep.ok, rep.problems
+    assert rep.draft["layer_ids"] == [2, 15, 27, 30] and rep.memory["budget_gib"] is None
