@@ -26,7 +26,6 @@ for plots), ``best.json`` (best held-out step-0 accuracy), ``complete.json``.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -60,20 +59,31 @@ class TrainSummary:
 
 
 def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: dict):
-    """speculators ``Eagle3DraftModel`` for a verifier: its config (``text_config`` resolved) with
-    ``num_draft_layers`` decoder layers; embeddings/lm_head/norm loaded from the verifier's weights.
+    """speculators ``Eagle3DraftModel`` for a verifier; embeddings/lm_head/norm loaded from the verifier's weights.
+
+    The decoder-layer config is :func:`eagle3ray.preflight.draft_layer_config` of the verifier's
+    ``config.json`` (``text_config`` resolved; Llama layer for architectures speculators has none for;
+    ``train.draft_head_dim`` honoured), so the draft trained is the one ``eagle3ray check -c`` printed.
 
     Args:
+        verifier_path: folder or hub id (``config.json`` is resolved with transformers' ``cached_file``).
         aux_layer_ids: the three auxiliary ids (without the final id L).
         d2t: [Vd] int64 offsets; t2d: [V] bool.
+        tcfg: ``train`` section as a dict (num_draft_layers, draft_head_dim, norm_before_residual, ttt_steps,
+            attn_impl).
     """
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
     from transformers import AutoConfig
+    from transformers.utils import cached_file
 
-    cfg = AutoConfig.from_pretrained(verifier_path)
-    text = copy.deepcopy(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
-    text.num_hidden_layers = tcfg["num_draft_layers"]  # the draft's own depth (EAGLE-3: 1)
+    from .check import text_config
+    from .preflight import draft_layer_config
+
+    with open(cached_file(verifier_path, "config.json")) as f:
+        vtext = text_config(json.load(f))
+    layer = draft_layer_config(vtext, tcfg["num_draft_layers"], tcfg.get("draft_head_dim"))
+    text = AutoConfig.for_model(**layer)
     return Eagle3DraftModel.from_training_args(
         text, t2d=torch.as_tensor(t2d, dtype=torch.bool), d2t=torch.as_tensor(d2t, dtype=torch.long),
         num_layers=tcfg["num_draft_layers"], norm_before_residual=tcfg["norm_before_residual"],

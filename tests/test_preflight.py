@@ -160,3 +160,25 @@ def test_default_cpu_config_preflight(smollm2_dir):
     rep = preflight(load_config(None))
     assert rep.ok, rep.problems
     assert rep.draft["layer_ids"] == [2, 15, 27, 30] and rep.memory["budget_gib"] is None
+
+
+def test_trained_draft_matches_the_preflight_shapes(tiny_verifier):
+    """build_draft (training/export) allocates exactly the tensors preflight promises vLLM (explicit head_dim)."""
+    import torch
+
+    from eagle3ray.check import expected_shapes, vllm_key
+    from eagle3ray.preflight import draft_config_dict
+    from eagle3ray.train import build_draft
+
+    vt = json.loads((Path(tiny_verifier) / "config.json").read_text())
+    Vd = 512
+    d2t, t2d = torch.zeros(Vd, dtype=torch.long), torch.zeros(vt["vocab_size"], dtype=torch.bool)
+    t2d[:Vd] = True
+    cfg = load_config(None, ["train.draft_head_dim=64", f"vocab.draft_vocab_size={Vd}", "verifier.aux_layer_ids=[2,4,5]"])
+    tc = cfg.train.model_dump()
+    draft = build_draft(tiny_verifier, [2, 4, 5], d2t, t2d, tc)
+    got = {vllm_key(n): list(p.shape) for n, p in draft.state_dict().items() if vllm_key(n) and "verifier" not in n}
+    want = expected_shapes(draft_config_dict(cfg, vt, [2, 4, 5, 8]), 3, vt["hidden_size"])
+    assert got["model.layers.0.self_attn.q_proj.weight"] == [4 * 64, 2 * 128]
+    for k, shape in want.items():
+        assert got[k] == shape, k
