@@ -104,7 +104,8 @@ def extract(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] =
             ("tokens/s (extraction loop)", f"{s.tokens_per_s:.0f}"), ("seconds (loop / stage)",
             f"{s.seconds:.1f} / {s.wall_seconds:.1f}"), ("blocks committed", s.blocks),
             ("bytes written", s.bytes_written), ("largest batch (tokens)", s.batch_tokens_max),
-            ("samples already committed (resumed)", s.resumed_from), ("orphan blocks removed", s.orphans_removed),
+            ("samples already committed (resumed)", s.resumed_from), ("orphan blocks removed (start / end)",
+            f"{s.orphans_removed} / {s.orphans_removed_end}"), ("unit retries (replica failures)", s.retries),
             ("samples in manifest", s.total_samples), ("tokens in manifest", s.total_tokens), ("output", s.path)]
     for k, v in rows:
         t.add_row(k, str(v))
@@ -306,9 +307,99 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
                   f"{r['greedy_identical']}")
 
 
+verifier_app = typer.Typer(no_args_is_help=True, help="A long-lived verifier service kept up between jobs.")
+app.add_typer(verifier_app, name="verifier")
+
+
+def _cluster_cfg(config, overrides):
+    import os
+
+    cfg = _load(config, overrides)
+    if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+        console.print("[red]error:[/red] a verifier service outlives this command only on a running cluster: set "
+                      "ray.address (e.g. ray.address=auto) or RAY_ADDRESS; start one with `ray start --head`")
+        raise typer.Exit(2)
+    from .service import ensure_ray
+
+    ensure_ray(cfg)
+    return cfg
+
+
+@verifier_app.command("start")
+def verifier_start(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Start (or find) the verifier service of CONFIG and pin it: it stays up between jobs, and stages whose
+    verifier differs refuse to start another one (they name the differing fields) until it is stopped."""
+    from .service import VerifierMismatch, app_name, start_for_config
+    from .verifier import VerifierSpec
+
+    cfg = _cluster_cfg(config, overrides)
+    try:
+        start_for_config(cfg, pinned=True)
+    except VerifierMismatch as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+    console.print(f"verifier service {app_name(VerifierSpec.from_config(cfg))} is up (pinned)")
+
+
+@verifier_app.command("status")
+def verifier_status(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+                    as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Every eagle3ray verifier service on the cluster: identity, replicas, load time, uptime, requests
+    served, tokens processed, and whether it matches CONFIG's verifier."""
+    from .service import app_name, running_verifiers
+    from .verifier import VerifierSpec
+
+    cfg = _cluster_cfg(config, overrides)
+    mine = app_name(VerifierSpec.from_config(cfg))
+    apps = running_verifiers()
+    if as_json:
+        print(json.dumps({n: {**i, "matches_config": n == mine} for n, i in apps.items()}, indent=1, default=str))
+        return
+    if not apps:
+        console.print("no verifier service is running")
+        return
+    t = Table(title="verifier services")
+    for col in ("application", "status", "replicas", "pinned", "model", "TP", "layer ids", "load s", "uptime s",
+                "requests", "tokens", "matches config"):
+        t.add_column(col)
+    for n, i in apps.items():
+        ident = i.get("identity", {})
+        t.add_row(n, i["status"], str(i.get("replica_states", "")), str(i.get("pinned", "")),
+                  str(ident.get("model_identity", {}).get("name", "")), str(ident.get("tensor_parallel_size", "")),
+                  str(ident.get("layer_ids", "")), f"{i.get('load_seconds', 0):.1f}",
+                  f"{i.get('uptime_seconds', 0):.0f}", str(i.get("extract_calls", 0) + i.get("generate_calls", 0)),
+                  str(i.get("tokens", 0)), "yes" if n == mine else "no")
+    console.print(t)
+
+
+@verifier_app.command("stop")
+def verifier_stop(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+                  all_: bool = typer.Option(False, "--all", help="Stop every eagle3ray verifier service.")):
+    """Stop CONFIG's verifier service (or --all of them); the GPUs are released."""
+    from ray import serve
+
+    from .service import running_verifiers, stop_verifier
+    from .verifier import VerifierSpec
+
+    cfg = _cluster_cfg(config, overrides)
+    if all_:
+        names = list(running_verifiers())
+        for n in names:
+            serve.delete(n)
+        console.print(f"stopped {len(names)} verifier service(s)")
+        return
+    stopped = stop_verifier(VerifierSpec.from_config(cfg))
+    console.print("stopped" if stopped else "no verifier service of this config was running")
+
+
 def main() -> None:
+    from .service import VerifierMismatch
+
     try:
         app()
+    except VerifierMismatch as e:
+        console.print(f"[red]error:[/red] {e}")
+        sys.exit(1)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: committed work is kept; re-run the same command to resume[/yellow]")
         sys.exit(130)

@@ -106,8 +106,15 @@ class VerifierSection(_Strict):
     enforce_eager: bool = Field(True, description="CPU: eager starts in ~30 s, compile mode ~130 s and is not faster.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kv_cache_gib: float = Field(2.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE in GiB.")
-    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per verifier replica.")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per verifier replica.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences in flight per engine (generation).")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="Extra Ray resources per replica (e.g. {'accelerator_type:H200': 0.001} "
+        "or a custom node label) to pin replicas to a node type.")
+    engine: Literal["vllm", "stand_in"] = Field(
+        "vllm", description="'stand_in' loads no model and returns deterministic states: rehearses placement, "
+        "scaling and failure handling of a cluster without GPUs (tests use it).")
+    stand_in_tokens_per_s: float | None = Field(None, gt=0, description="stand_in only: modelled engine speed.")
     seed: int = 0
 
     @property
@@ -166,6 +173,8 @@ class ExtractSection(_Strict):
     storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     compression: Literal["zstd", "snappy", "none"] = "zstd"
     tmp_dir: str = Field("/dev/shm", description="Scratch directory of the engine's hidden-state connector.")
+    max_unit_retries: int = Field(
+        3, ge=0, description="Times a unit is re-sent after its verifier replica (or node) died mid-call.")
     max_storage_gib: float | None = Field(
         None, gt=0, description="Preflight: refuse a plan whose hidden states would exceed this much storage.")
 

@@ -48,6 +48,8 @@ class ExtractSummary:
     skipped: bool = False
     rejected: dict = field(default_factory=dict)  # stage -> RejectCounter.to_json()
     batch_tokens_max: int = 0
+    retries: int = 0  # unit calls retried after a replica/node failure
+    orphans_removed_end: int = 0  # blocks written by attempts that never reported back (removed at the end)
     path: str = ""
 
     @property
@@ -79,12 +81,17 @@ def plan_units(samples: list[dict], max_tokens: int) -> list[list[dict]]:
 class BlockWriter:
     """Ray Data callable class: one unit -> verifier service -> one Parquet block (not yet committed).
 
+    A unit whose call fails because its replica or node died (``RayActorError``, ``ActorUnavailableError``)
+    is sent again, up to ``max_retries`` times with a growing pause; Serve routes it to a live replica
+    (or the replacement it starts). Errors raised by the engine itself (bad input) are not retried.
+
     Returns one row per unit: path (relative to hidden_states/), rows, tokens, bytes, sha256,
-    seconds (engine + write wall time).
+    seconds (engine + write wall time), retries.
     """
 
     def __init__(self, app: str, storage_uri: str, endpoint_url: str | None, hs_root: str,
-                 storage_dtype: str, compression: str):
+                 storage_dtype: str, compression: str, max_retries: int = 3,
+                 retry_pause_s: float = 2.0):
         from ray import serve
 
         self.handle = serve.get_app_handle(app)
@@ -92,16 +99,32 @@ class BlockWriter:
         self.hs_root = hs_root
         self.storage_dtype = storage_dtype
         self.compression = compression
+        self.max_retries = max_retries
+        self.retry_pause_s = retry_pause_s
+
+    def _call(self, samples: list[dict]) -> tuple[list[dict], int]:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        req = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"]} for s in samples]
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self.handle.extract.remote(req, self.storage_dtype).result(), attempt
+            except (RayActorError, ActorUnavailableError) as e:
+                if attempt == self.max_retries:
+                    raise RuntimeError(f"unit {samples[0]['sample_id']}..{samples[-1]['sample_id']}: verifier "
+                                       f"replica failed {attempt + 1} times; last: {type(e).__name__}: {e}") from e
+                log.warning("unit %s: replica failed (%s); retry %d/%d", samples[0]["sample_id"],
+                            type(e).__name__, attempt + 1, self.max_retries)
+                time.sleep(self.retry_pause_s * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def __call__(self, batch: dict) -> dict:
-        out = {k: [] for k in ("path", "rows", "tokens", "bytes", "sha256", "seconds")}
+        out = {k: [] for k in ("path", "rows", "tokens", "bytes", "sha256", "seconds", "retries")}
         for sample_ids, input_ids, loss_mask in zip(batch["sample_ids"], batch["input_ids"], batch["loss_mask"]):
             t0 = time.time()
             samples = [{"sample_id": str(s), "input_ids": [int(x) for x in i], "loss_mask": [int(x) for x in m]}
                        for s, i, m in zip(sample_ids, input_ids, loss_mask)]
-            results = self.handle.extract.remote(
-                [{"sample_id": s["sample_id"], "input_ids": s["input_ids"]} for s in samples], self.storage_dtype
-            ).result()
+            results, retries = self._call(samples)
             table = blocks.build_block(samples, results, self.storage_dtype)
             rel = f"blocks/part-{uuid.uuid4().hex}.parquet"
             entry = blocks.write_block(self.fs, f"{self.hs_root}/{rel}", table, self.compression)
@@ -109,7 +132,20 @@ class BlockWriter:
             for k in ("rows", "tokens", "bytes", "sha256"):
                 out[k].append(entry[k])
             out["seconds"].append(time.time() - t0)
+            out["retries"].append(retries)
         return out
+
+
+def replicas_alive(app: str) -> int | None:
+    """RUNNING replicas of a Serve application (None when Serve cannot say)."""
+    from ray import serve
+
+    try:
+        st = serve.status().applications[app]
+        dep = next(iter(st.deployments.values()))
+        return int(sum(v for k, v in dep.replica_states.items() if str(k).endswith("RUNNING")))
+    except Exception:
+        return None
 
 
 def _remove_orphans(fs, hs_root: str, manifest: dict) -> int:
@@ -141,7 +177,8 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
     """
     import ray
 
-    from .service import app_name, ensure_ray, get_or_start_verifier
+    from . import metrics
+    from .service import app_name, ensure_ray, start_for_config
     from .verifier import VerifierSpec
 
     t_start = time.time()
@@ -186,7 +223,7 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
     summary.batch_tokens_max = max((sum(len(s["input_ids"]) for s in u) for u in units), default=0)
     if units:
         ensure_ray(cfg)
-        get_or_start_verifier(spec, cfg.extract.min_actors, cfg.extract.max_actors, cfg.verifier.num_cpus)
+        start_for_config(cfg)
         items = [{"sample_ids": [s["sample_id"] for s in u], "input_ids": [s["input_ids"] for s in u],
                   "loss_mask": [s["loss_mask"] for s in u]} for u in units]
         ds = ray.data.from_items(items, override_num_blocks=min(len(items), 200)).map_batches(
@@ -194,7 +231,8 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
             fn_constructor_kwargs=dict(app=app_name(spec), storage_uri=cfg.run.storage,
                                        endpoint_url=cfg.run.endpoint_url, hs_root=hs_root,
                                        storage_dtype=cfg.extract.storage_dtype,
-                                       compression=cfg.extract.compression),
+                                       compression=cfg.extract.compression,
+                                       max_retries=cfg.extract.max_unit_retries),
             batch_size=1,
             compute=ray.data.ActorPoolStrategy(min_size=cfg.extract.min_actors, max_size=cfg.extract.max_actors),
             num_cpus=0.1,
@@ -204,8 +242,10 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
         bar = tqdm(total=sum(len(u) for u in units), desc="extract", unit="sample", disable=not progress)
         t0 = time.time()
         committed = done
+        app, t_replicas, alive = app_name(spec), 0.0, None
         for row in ds.iter_rows():
             path = row["path"]
+            summary.retries += int(row.get("retries", 0))
             ids = blocks.committed_sample_ids(paths.fs, hs_root, {"blocks": [{"path": path}]})
             dup = [i for i in ids if i in committed]
             if dup:  # a retried unit whose first attempt was committed: keep the first
@@ -226,11 +266,18 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
             summary.bytes_written += entry["bytes"]
             summary.blocks += 1
             bar.update(entry["rows"])
-            bar.set_postfix(tok_s=f"{summary.tokens / max(time.time() - t0, 1e-9):.0f}")
+            tok_s = summary.tokens / max(time.time() - t0, 1e-9)
+            bar.set_postfix(tok_s=f"{tok_s:.0f}", retries=summary.retries)
+            if time.time() - t_replicas > 5:
+                alive, t_replicas = replicas_alive(app), time.time()
+            metrics.extract_commit(cfg.run.name, entry["tokens"], entry["rows"], int(row.get("retries", 0)), tok_s,
+                                   alive)
             if on_commit is not None:
                 on_commit(manifest)
         bar.close()
         summary.seconds = time.time() - t0
+        # blocks of attempts that died after writing (their unit was redone): not in the manifest, removed
+        summary.orphans_removed_end = _remove_orphans(paths.fs, hs_root, manifest)
 
     vocab_size = spec.model_identity["vocab_size"]
     freq = blocks.token_frequencies(paths.fs, hs_root, manifest, vocab_size)
@@ -240,6 +287,7 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
     manifest["counts"]["loss_tokens"] = int(freq.sum())
     manifest["token_freq"] = "token_freq.safetensors"
     manifest["rejected"]["extract"] = rejected.to_json()
+    manifest["retries"] = manifest.get("retries", 0) + summary.retries
     manifest["complete"] = True
     manifest["completed_at"] = time.time()
     storage.write_json_atomic(paths.fs, man_path, manifest)

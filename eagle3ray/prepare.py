@@ -188,10 +188,10 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
     rejected = RejectCounter()
     records = collect_records(cfg, rejected, tokenizer)
     if cfg.data.regenerate:
-        from .service import ensure_ray, get_or_start_verifier
+        from .service import ensure_ray, start_for_config
 
         ensure_ray(cfg)
-        handle = get_or_start_verifier(spec, cfg.extract.min_actors, cfg.extract.max_actors, cfg.verifier.num_cpus)
+        handle = start_for_config(cfg)
         records = regenerate_answers(cfg, records, tokenizer, handle, rejected)
     rows = {k: [] for k in CONV_SCHEMA.names}
     for rec in tqdm(records, desc="tokenize", unit="conv", disable=len(records) < 200):

@@ -19,7 +19,7 @@ import time
 import ray
 from ray import serve
 
-from .verifier import VerifierEngine, VerifierSpec
+from .verifier import VerifierSpec, make_engine
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +30,22 @@ def app_name(spec: VerifierSpec) -> str:
     return APP_PREFIX + spec.identity_hash()
 
 
-def _replica_options(spec: VerifierSpec, num_cpus: float) -> dict:
+def _replica_options(spec: VerifierSpec, num_cpus: float, resources: dict | None = None) -> dict:
     """Ray resources of one replica. TP>1 on GPUs: one STRICT_PACK placement group (one node), a
     bundle for the replica and one GPU bundle per tensor-parallel rank, which vLLM's Ray executor
-    uses for its workers (vLLM docs, "Serving with Ray Serve")."""
+    uses for its workers (vLLM docs, "Serving with Ray Serve"). ``resources``: extra custom resources
+    of the replica (``verifier.ray_resources``), in its own bundle."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(int(max(1, spec.cpu_kv_cache_gib)))} if spec.device == "cpu" else {}
+    resources = dict(resources or {})
     opts: dict = {"ray_actor_options": {"num_cpus": num_cpus, "runtime_env": {"env_vars": env}}}
+    if resources:
+        opts["ray_actor_options"]["resources"] = resources
     if spec.device == "cuda":
         if spec.tensor_parallel_size == 1:
             opts["ray_actor_options"]["num_gpus"] = 1
         else:
-            opts["placement_group_bundles"] = [{"CPU": num_cpus}] + [{"GPU": 1}] * spec.tensor_parallel_size
+            opts["placement_group_bundles"] = ([{"CPU": num_cpus, **resources}]
+                                               + [{"GPU": 1}] * spec.tensor_parallel_size)
             opts["placement_group_strategy"] = "STRICT_PACK"
     return opts
 
@@ -50,11 +55,15 @@ def _replica_options(spec: VerifierSpec, num_cpus: float) -> dict:
 class VerifierDeployment:
     """Serve wrapper around :class:`VerifierEngine` (methods forwarded unchanged)."""
 
-    def __init__(self, spec: dict):
-        self.engine = VerifierEngine(spec)
+    def __init__(self, spec: dict, pinned: bool = False):
+        self.engine = make_engine(spec)
+        self.pinned = pinned
 
     def info(self) -> dict:
-        return self.engine.info()
+        """The engine's info plus where the replica runs (node id, placement group) and ``pinned``."""
+        pg = ray.util.get_current_placement_group()
+        return {**self.engine.info(), "node_id": ray.get_runtime_context().get_node_id(),
+                "placement_group": pg.id.hex() if pg is not None else None, "pinned": self.pinned}
 
     def extract(self, samples: list[dict], storage_dtype: str = "bfloat16") -> list[dict]:
         return self.engine.extract(samples, storage_dtype)
@@ -71,14 +80,55 @@ def _running_apps() -> dict:
         return {}
 
 
+class VerifierMismatch(RuntimeError):
+    """A pinned verifier service (``eagle3ray verifier start``) runs with another identity."""
+
+
+def identity_diff(a: dict, b: dict) -> dict:
+    """{field: (running, wanted)} for the identity fields that differ (model_identity flattened)."""
+    flat = lambda d: {**{k: v for k, v in d.items() if k != "model_identity"},  # noqa: E731
+                      **{f"model_identity.{k}": v for k, v in d.get("model_identity", {}).items()}}
+    fa, fb = flat(a), flat(b)
+    return {k: (fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)}
+
+
+def running_verifiers() -> dict[str, dict]:
+    """{app name: info of one replica} for every eagle3ray verifier application on the cluster
+    (``info`` is ``{"status": ...}`` alone when no replica answers)."""
+    out = {}
+    for name, st in _running_apps().items():
+        if not name.startswith(APP_PREFIX):
+            continue
+        status = str(st.status).rsplit(".", 1)[-1]
+        info: dict = {"status": status}
+        if status == "RUNNING":
+            try:
+                info.update(serve.get_app_handle(name).info.remote().result(timeout_s=30))
+            except Exception as e:  # a replica that does not answer is reported, not fatal
+                info["error"] = f"{type(e).__name__}: {e}"
+        try:
+            dep = next(iter(st.deployments.values()))
+            info["replica_states"] = {str(k).rsplit(".", 1)[-1]: v for k, v in dep.replica_states.items()}
+        except (StopIteration, AttributeError):
+            pass
+        out[name] = info
+    return out
+
+
 def get_or_start_verifier(spec: VerifierSpec, min_replicas: int = 1, max_replicas: int = 1,
-                          num_cpus: float = 1.0) -> serve.handle.DeploymentHandle:
+                          num_cpus: float = 1.0, resources: dict | None = None,
+                          pinned: bool = False) -> serve.handle.DeploymentHandle:
     """A handle to the running verifier service for ``spec``, starting it if absent.
 
     A running application with the same identity hash is reused as it is (the model is not loaded
-    again). Requires ``ray.init`` to have been called.
+    again). When a *pinned* service (started by ``eagle3ray verifier start``) runs with another
+    identity, nothing is started: the user chose that verifier for the cluster. Requires ``ray.init``.
+
+    Args:
+        pinned: mark the service as kept between jobs (``eagle3ray verifier start``).
 
     Raises:
+        VerifierMismatch: a pinned service runs with another identity (the message lists the fields).
         RuntimeError: the application failed to deploy (the replica's error is in the message).
     """
     name = app_name(spec)
@@ -87,18 +137,32 @@ def get_or_start_verifier(spec: VerifierSpec, min_replicas: int = 1, max_replica
         handle = serve.get_app_handle(name)
         _announce("reusing running", name, handle)
         return handle
+    for other, info in running_verifiers().items():
+        if other != name and info.get("pinned"):
+            diff = identity_diff(info.get("identity", {}), spec.identity())
+            fields = "; ".join(f"{k}: running {a!r}, this config {b!r}" for k, (a, b) in diff.items())
+            raise VerifierMismatch(
+                f"verifier service {other} (started with `eagle3ray verifier start`) runs another verifier: "
+                f"{fields}. Use a config that matches it, or `eagle3ray verifier stop` it first.")
     serve.start(proxy_location="Disabled")
     autoscaling = {"min_replicas": min_replicas, "max_replicas": max_replicas, "initial_replicas": min_replicas,
                    "target_ongoing_requests": 1, "upscale_delay_s": 5, "downscale_delay_s": 60}
-    dep = VerifierDeployment.options(autoscaling_config=autoscaling, **_replica_options(spec, num_cpus))
+    dep = VerifierDeployment.options(autoscaling_config=autoscaling,
+                                     **_replica_options(spec, num_cpus, resources))
     t0 = time.time()
     log.info("starting verifier service %s (%s, layers %s)", name, spec.model_path, spec.layer_ids)
     try:
-        handle = serve.run(dep.bind(spec.__dict__), name=name, route_prefix=None, blocking=False)
+        handle = serve.run(dep.bind(spec.__dict__, pinned), name=name, route_prefix=None, blocking=False)
     except Exception as e:  # Serve raises RuntimeError with the replica's traceback
         raise RuntimeError(f"verifier service {name} failed to start: {e}") from e
     _announce(f"started ({time.time() - t0:.1f} s)", name, handle)
     return handle
+
+
+def start_for_config(cfg, pinned: bool = False) -> serve.handle.DeploymentHandle:
+    """:func:`get_or_start_verifier` with the config's verifier, replica bounds and resources."""
+    return get_or_start_verifier(VerifierSpec.from_config(cfg), cfg.extract.min_actors, cfg.extract.max_actors,
+                                 cfg.verifier.num_cpus, cfg.verifier.ray_resources, pinned=pinned)
 
 
 def _announce(what: str, name: str, handle) -> None:

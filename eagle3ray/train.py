@@ -287,6 +287,10 @@ def train_loop_per_worker(config: dict) -> None:  # noqa: C901 - one readable lo
                 json.dump({"epoch": epoch, "consumed": sorted(mine)}, f)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
         log_metrics(metrics)
+        if rank == 0:
+            from . import metrics as ray_metrics
+
+            ray_metrics.train_report(config["run_name"], metrics, tc["ttt_steps"])
 
     trace = None
     if config.get("trace_dir"):

@@ -87,6 +87,9 @@ class VerifierSpec:
     cpu_kv_cache_gib: float = 2.0
     seed: int = 0
     tmp_dir: str = "/dev/shm"
+    engine: str = "vllm"  # "stand_in": StandInEngine (no model; rehearsals and tests)
+    stand_in_tokens_per_s: float | None = None
+    trust_remote_code: bool = False
     model_identity: dict = field(default_factory=dict)  # config/tokenizer hashes, filled by from_config
 
     @classmethod
@@ -111,7 +114,9 @@ class VerifierSpec:
             tensor_parallel_size=v.tensor_parallel_size, max_model_len=v.max_model_len,
             max_num_batched_tokens=cfg.extract.max_tokens_per_batch, max_num_seqs=v.max_num_seqs,
             enforce_eager=v.enforce_eager, gpu_memory_utilization=v.gpu_memory_utilization,
-            cpu_kv_cache_gib=v.cpu_kv_cache_gib, seed=v.seed, tmp_dir=cfg.extract.tmp_dir, model_identity=ident,
+            cpu_kv_cache_gib=v.cpu_kv_cache_gib, seed=v.seed, tmp_dir=cfg.extract.tmp_dir, engine=v.engine,
+            stand_in_tokens_per_s=v.stand_in_tokens_per_s, trust_remote_code=v.trust_remote_code,
+            model_identity=ident,
         )
 
     def identity(self) -> dict:
@@ -176,6 +181,7 @@ class VerifierEngine:
             model=s.model_path, dtype=s.dtype, tensor_parallel_size=s.tensor_parallel_size,
             max_model_len=s.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
             max_num_seqs=s.max_num_seqs, enforce_eager=s.enforce_eager, seed=s.seed,
+            trust_remote_code=s.trust_remote_code,
             # Prefix caching truncates the dumped states (cached tokens are not recomputed).
             enable_prefix_caching=False,
             speculative_config={
@@ -275,3 +281,84 @@ class VerifierEngine:
         self.stats["tokens"] += sum(len(p) for p in prompts)
         return [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
                  "finish_reason": o.outputs[0].finish_reason} for o in outs]
+
+
+class StandInEngine:
+    """A verifier engine that loads no model, with :class:`VerifierEngine`'s interface (``extract``,
+    ``generate``, ``info``). For rehearsing what does not depend on the model: placement of
+    tensor-parallel replicas, the elastic pool, node failures, metrics (``verifier.engine: stand_in``).
+
+    ``extract`` returns deterministic states, a function of (token id, position, layer), shape
+    [T, L, H] with H the verifier config's hidden size, so a retried unit yields identical bytes.
+    With ``stand_in_tokens_per_s`` each call sleeps ``tokens / rate`` seconds to model engine time.
+    """
+
+    loads_in_process = 0
+
+    def __init__(self, spec: VerifierSpec | dict):
+        self.spec = spec if isinstance(spec, VerifierSpec) else VerifierSpec(**spec)
+        StandInEngine.loads_in_process += 1
+        self.load_seconds = 0.0
+        self.loaded_at = time.time()
+        self.stats = {"extract_calls": 0, "generate_calls": 0, "samples": 0, "tokens": 0, "batch_tokens": []}
+
+    def info(self) -> dict:
+        """Same fields as :meth:`VerifierEngine.info`."""
+        return {
+            "identity_hash": self.spec.identity_hash(), "identity": self.spec.identity(), "pid": os.getpid(),
+            "load_seconds": self.load_seconds, "uptime_seconds": time.time() - self.loaded_at,
+            "loads_in_process": StandInEngine.loads_in_process, **self.stats,
+        }
+
+    @staticmethod
+    def states(input_ids: list[int], num_layers: int, hidden_size: int):
+        """Deterministic float32 states [T, L, H] for token ids (the stand-in's 'model')."""
+        ids = np.asarray(input_ids, dtype=np.float64)[:, None, None]
+        pos = np.arange(len(input_ids), dtype=np.float64)[:, None, None]
+        layer = np.arange(num_layers, dtype=np.float64)[None, :, None]
+        h = np.arange(hidden_size, dtype=np.float64)[None, None, :]
+        return np.sin(ids * 0.37 + pos * 0.011 + layer * 1.3 + h * 0.05).astype(np.float32)
+
+    def extract(self, samples: list[dict], storage_dtype: str = "bfloat16") -> list[dict]:
+        """Deterministic states of each sample, same return format as :meth:`VerifierEngine.extract`."""
+        import torch
+
+        ntok = sum(len(s["input_ids"]) for s in samples)
+        busy = os.environ.get("EAGLE3RAY_STAND_IN_BUSY_DIR")  # rehearsals: lets a test fail a node mid-call
+        marker = os.path.join(busy, f"{os.getpid()}.busy") if busy else None
+        if marker:
+            Path(marker).touch()
+        try:
+            if self.spec.stand_in_tokens_per_s:
+                time.sleep(ntok / self.spec.stand_in_tokens_per_s)
+        finally:
+            if marker and os.path.exists(marker):
+                os.remove(marker)
+        H, L = self.spec.model_identity["hidden_size"], len(self.spec.layer_ids)
+        out = []
+        for s in samples:
+            if len(s["input_ids"]) > self.spec.max_model_len:
+                raise VerifierError(f"sample {s['sample_id']}: {len(s['input_ids'])} tokens > max_model_len")
+            st = torch.from_numpy(self.states(s["input_ids"], L, H))
+            out.append({"sample_id": s["sample_id"], "hidden_states": to_storage_bytes(st, storage_dtype),
+                        "shape": tuple(st.shape)})
+        self.stats["extract_calls"] += 1
+        self.stats["samples"] += len(samples)
+        self.stats["tokens"] += ntok
+        self.stats["batch_tokens"].append(ntok)
+        del self.stats["batch_tokens"][:-1000]
+        return out
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 seed: int | None = None) -> list[dict]:
+        """Echoes the prompt's last tokens (no model): [{"token_ids", "text", "finish_reason"}]."""
+        self.stats["generate_calls"] += 1
+        self.stats["tokens"] += sum(len(p) for p in prompts)
+        return [{"token_ids": list(p[-max_new_tokens:]), "text": "stand-in answer", "finish_reason": "length"}
+                for p in prompts]
+
+
+def make_engine(spec: VerifierSpec | dict):
+    """The engine ``spec.engine`` names: :class:`VerifierEngine` (vLLM) or :class:`StandInEngine`."""
+    engine = spec.engine if isinstance(spec, VerifierSpec) else spec.get("engine", "vllm")
+    return StandInEngine(spec) if engine == "stand_in" else VerifierEngine(spec)

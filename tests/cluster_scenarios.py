@@ -1,0 +1,313 @@
+"""Multi-node Ray scenarios on one machine (``ray.cluster_utils.Cluster``: every node is a raylet on
+127.0.0.1), each run in its own process by ``tests/test_cluster.py`` (a driver can join one cluster per
+process, and the other tests share an in-process cluster). The verifier is the stand-in engine
+(``verifier.engine: stand_in``): these scenarios are about placement, elasticity, failures, the
+service's life cycle and metrics, not about the model.
+
+    python tests/cluster_scenarios.py {placement|node_kill|service} --verifier DIR --workdir DIR
+
+prints one JSON line (prefixed ``RESULT ``) with what it observed; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+# Loopback everywhere: without this Ray resolves 127.0.0.1 to the machine's address (FIELD_NOTES).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_data(path: Path, n: int) -> Path:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    with open(path, "w") as f:
+        for i in range(n):
+            q = " ".join(words[(i + k) % len(words)] for k in range(5 + i % 7))
+            a = " ".join(words[(i * 3 + k) % len(words)] for k in range(20 + (i * 7) % 40))
+            f.write(json.dumps({"id": f"s{i}", "messages": [{"role": "user", "content": f"Question {i}: {q}?"},
+                                                            {"role": "assistant", "content": f"Answer {i}: {a}."}]}) + "\n")
+    return path
+
+
+def write_config(workdir: Path, verifier_dir: str, data: Path, **sections) -> Path:
+    tree = {
+        "run": {"name": "scenario", "storage": f"file://{workdir}/runs"},
+        "verifier": {"model": verifier_dir, "aux_layer_ids": [2, 4, 5], "max_model_len": 512, "engine": "stand_in",
+                     "num_cpus": 0, "ray_resources": {"verifier_slot": 1}, "stand_in_tokens_per_s": 400},
+        "data": {"train": [{"kind": "chat", "path": str(data)}], "eval": [{"kind": "mtbench"}]},
+        "extract": {"max_tokens_per_batch": 256, "min_actors": 1, "max_actors": 2, "max_unit_retries": 5},
+        "vocab": {"draft_vocab_size": 512},
+        "train": {"num_workers": 1, "cpus_per_worker": 0.5, "max_steps": 4, "checkpoint_every": 2,
+                  "max_tokens_per_batch": 256, "warmup_steps": 1, "val_fraction": 0.2},
+    }
+    for sec, vals in sections.items():
+        tree.setdefault(sec, {}).update(vals)
+    p = workdir / "cfg.yaml"
+    p.write_text(yaml.safe_dump(tree))
+    return p
+
+
+def start_cluster(head_cpus: float, metrics_port: int | None = None):
+    from ray.cluster_utils import Cluster
+
+    args = dict(num_cpus=head_cpus, node_ip_address="127.0.0.1", include_dashboard=False)
+    if metrics_port:
+        args["metrics_export_port"] = metrics_port
+    return Cluster(initialize_head=True, head_node_args=args)
+
+
+def add_node(cluster, **kw):
+    kw.setdefault("node_ip_address", "127.0.0.1")
+    kw.setdefault("metrics_export_port", free_port())
+    return cluster.add_node(**kw)
+
+
+def serve_replicas() -> list[dict]:
+    """Serve replica actors of the verifier app: [{"node_id", "pid", "state"}] (GCS actor table)."""
+    import ray
+
+    out = []
+    for a in ray._private.state.actors().values():
+        if "VerifierDeployment" in (a.get("ActorClassName") or "") or "ServeReplica:eagle3ray-verifier" in (
+                a.get("ActorClassName") or ""):
+            out.append({"node_id": a["Address"]["NodeID"], "pid": a.get("Pid"), "state": a["State"]})
+    return out
+
+
+def replica_states() -> dict:
+    """{state: count} of the verifier deployment's replicas (Serve status)."""
+    from ray import serve
+
+    for name, app in serve.status().applications.items():
+        if name.startswith("eagle3ray-verifier-"):
+            for dep in app.deployments.values():
+                return {str(k).rsplit(".", 1)[-1]: v for k, v in dep.replica_states.items()}
+    return {}
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+# ------------------------------------------------------------------------------------------ scenarios
+def placement(args) -> dict:
+    """TP=8 replicas (logical GPUs): each lands on one node (STRICT_PACK); two replicas need two 8-GPU nodes."""
+    import ray
+    from ray import serve
+
+    from eagle3ray.config import load_config
+    from eagle3ray.service import ensure_ray, start_for_config
+
+    workdir = Path(args.workdir)
+    cluster = start_cluster(head_cpus=2)
+    gpu8_a = add_node(cluster, num_cpus=1, num_gpus=8)
+    gpu4 = add_node(cluster, num_cpus=1, num_gpus=4)
+    cfg_path = write_config(workdir, args.verifier, write_data(workdir / "d.jsonl", 4),
+                            verifier={"device": "cuda", "tensor_parallel_size": 8, "num_cpus": 0.5, "ray_resources": {}},
+                            extract={"min_actors": 2, "max_actors": 2})
+    cfg = load_config(cfg_path, [f"ray.address={cluster.address}"])
+    ensure_ray(cfg)
+    err: list = []
+
+    def run():
+        try:
+            start_for_config(cfg)
+        except Exception as e:  # reported in the result
+            err.append(repr(e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    states_one_node: dict = {}
+    deadline = time.time() + 60
+    while time.time() < deadline:  # one 8-GPU node: one replica runs, the other cannot be placed
+        states_one_node = replica_states()
+        if states_one_node.get("RUNNING") == 1 and sum(states_one_node.values()) == 2:
+            time.sleep(5)  # and it stays unplaced
+            states_one_node = replica_states()
+            break
+        time.sleep(1)
+    gpu8_b = add_node(cluster, num_cpus=1, num_gpus=8)
+    t.join(timeout=120)
+    pgs = [p for p in ray.util.placement_group_table().values() if p["state"] == "CREATED"
+           and p["strategy"] == "STRICT_PACK"]
+    result = {
+        "error": err, "thread_done": not t.is_alive(), "states_with_one_gpu8_node": states_one_node,
+        "gpu8_nodes": [gpu8_a.node_id, gpu8_b.node_id], "gpu4_node": gpu4.node_id,
+        "placement_groups": [{"bundles": [dict(b) for b in p["bundles"].values()],
+                              "nodes": sorted(set(p["bundles_to_node_id"].values()))} for p in pgs],
+        "replica_nodes": sorted(r["node_id"] for r in serve_replicas() if r["state"] == "ALIVE"),
+    }
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+    return result
+
+
+def _wait_busy_worker_node(cluster, busy_dir: Path, timeout: float = 30):
+    """The worker node whose stand-in replica is mid-call right now (its busy marker exists)."""
+    deadline = time.time() + timeout
+    by_id = {n.node_id: n for n in cluster.worker_nodes}
+    while time.time() < deadline:
+        pids = {int(p.stem) for p in busy_dir.glob("*.busy")}
+        for r in serve_replicas():
+            if r["state"] == "ALIVE" and r["pid"] in pids and r["node_id"] in by_id:
+                return by_id[r["node_id"]]
+        time.sleep(0.05)
+    raise TimeoutError("no replica was busy")
+
+
+def node_kill(args) -> dict:
+    """Kill the node of a busy replica mid-extraction, let a new node join; then train a few steps.
+    Reports exactly-once facts, retries, replica placement and the Prometheus metrics."""
+    import ray
+
+    from eagle3ray import blocks, storage
+    from eagle3ray.config import load_config
+    from eagle3ray.extract import extract
+    from eagle3ray.prepare import prepare
+    from eagle3ray.train import train
+    from eagle3ray.verifier import StandInEngine
+    from eagle3ray.vocab import build_vocab
+
+    workdir = Path(args.workdir)
+    busy = workdir / "busy"
+    busy.mkdir()
+    os.environ["EAGLE3RAY_STAND_IN_BUSY_DIR"] = str(busy)  # inherited by the raylets started below
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"
+    mport = free_port()
+    cluster = start_cluster(head_cpus=3, metrics_port=mport)
+    # worker nodes hold verifier replicas only (no CPUs: Ray Data and training stay on the head)
+    add_node(cluster, num_cpus=0, resources={"verifier_slot": 1})
+    add_node(cluster, num_cpus=0, resources={"verifier_slot": 1})
+    cfg = load_config(write_config(workdir, args.verifier, write_data(workdir / "d.jsonl", 120)),
+                      [f"ray.address={cluster.address}"])
+    prep = prepare(cfg)
+    events: dict = {}
+
+    def on_commit(man):
+        if len(man["blocks"]) == 15 and "killed" not in events:
+            victim = _wait_busy_worker_node(cluster, busy)
+            events["killed"] = victim.node_id
+            events["replicas_before"] = serve_replicas()
+            cluster.remove_node(victim, allow_graceful=False)
+            events["killed_at_s"] = time.time() - t0
+            events["added"] = add_node(cluster, num_cpus=0, resources={"verifier_slot": 1}).node_id
+
+    seen: dict = {}  # metric -> last value scraped while the stages run (gauges live while they are set)
+    stop = threading.Event()
+
+    def scraper():
+        while not stop.is_set():
+            try:
+                for line in scrape(mport).splitlines():
+                    if line.startswith("ray_eagle3ray_") and 'run="scenario"' in line:
+                        key = line.split("{", 1)[0] + (
+                            "[position=" + line.split('position="')[1].split('"')[0] + "]" if 'position="' in line else "")
+                        seen[key] = float(line.rsplit(" ", 1)[1])
+                for r in serve_replicas():
+                    if r["state"] == "ALIVE":
+                        alive_on.setdefault(r["node_id"], round(time.time() - t0, 1))
+            except Exception as e:  # noqa: BLE001 - reported in the result
+                scrape_errors.append(repr(e)[:200])
+            time.sleep(0.5)
+
+    scrape_errors: list = []
+    alive_on: dict = {}  # node id -> seconds into extraction when a replica there was first seen ALIVE
+    t0 = time.time()
+    threading.Thread(target=scraper, daemon=True).start()
+    s = extract(cfg, on_commit=on_commit, progress=False)
+    extract_s = time.time() - t0
+    paths = storage.run_paths(cfg)
+    man, files = blocks.read_committed(paths.fs, paths.hidden_states)
+    ids = blocks.committed_sample_ids(paths.fs, paths.hidden_states, man)
+    on_disk = sorted("blocks/" + f.rsplit("/", 1)[-1] for f in paths.fs.ls(f"{paths.hidden_states}/blocks", detail=False))
+    # content of every block is the engine's (a retried unit wrote the same states)
+    import pyarrow.parquet as pq
+
+    mismatched = 0
+    for b in man["blocks"]:
+        with paths.fs.open(f"{paths.hidden_states}/{b['path']}", "rb") as f:
+            for row in pq.read_table(f).to_pylist():
+                want = StandInEngine.states(row["input_ids"], row["num_layers"], row["hidden_size"])
+                if abs(blocks.decode_states(row) - want).max() > 1e-2:
+                    mismatched += 1
+    from eagle3ray.prepare import read_conversations
+
+    prepared_ids = read_conversations(paths)[1]["sample_id"].to_pylist()
+    replicas_after = serve_replicas()
+    # training on the same cluster, to see its metrics too
+    build_vocab(cfg)
+    tr = train(cfg)
+    time.sleep(5)  # two report intervals: the last counter values reach the agent
+    stop.set()
+    result = {
+        "prepared_samples": prep.samples, "prepared_ids": prepared_ids, "committed_ids": ids, "manifest_samples": man["counts"]["samples"],
+        "manifest_tokens": man["counts"]["tokens"], "complete": man.get("complete"),
+        "manifest_blocks": sorted(b["path"] for b in man["blocks"]), "blocks_on_disk": on_disk,
+        "retries": s.retries, "manifest_retries": man.get("retries"), "orphans_removed_end": s.orphans_removed_end,
+        "duplicates": (man["rejected"]["extract"].get("counts") or {}).get("duplicate", 0),
+        "mismatched_rows": mismatched, "events": events, "replicas_after": replicas_after,
+        "replica_first_alive_s": alive_on, "scrape_errors": scrape_errors[:5],
+        "extract_seconds": extract_s, "train_steps": tr.steps,
+        "metrics": seen,
+    }
+    ray.shutdown()
+    cluster.shutdown()
+    return result
+
+
+def service(args) -> dict:
+    """`eagle3ray verifier start|status|stop` against a running cluster, a job attaching to the pinned service,
+    and one with another verifier refused."""
+    workdir = Path(args.workdir)
+    cluster = start_cluster(head_cpus=3)
+    add_node(cluster, num_cpus=0, resources={"verifier_slot": 2})
+    cfg_path = write_config(workdir, args.verifier, write_data(workdir / "d.jsonl", 20))
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+
+    def cli(*a, timeout=300):
+        p = subprocess.run([sys.executable, "-m", "eagle3ray.cli", *a, "-c", str(cfg_path)], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=timeout)
+        return {"rc": p.returncode, "out": p.stdout, "err": p.stderr[-4000:]}
+
+    r = {"start": cli("verifier", "start")}
+    r["status1"] = cli("verifier", "status", "--json")
+    r["extract"] = cli("extract", "--no-progress")
+    r["status2"] = cli("verifier", "status", "--json")
+    r["mismatch"] = cli("extract", "--no-progress", "verifier.aux_layer_ids=[1,3,5]", "run.name=other")
+    r["stop"] = cli("verifier", "stop")
+    r["status3"] = cli("verifier", "status")
+    cluster.shutdown()
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=["placement", "node_kill", "service"])
+    ap.add_argument("--verifier", required=True)
+    ap.add_argument("--workdir", required=True)
+    args = ap.parse_args()
+    result = {"placement": placement, "node_kill": node_kill, "service": service}[args.scenario](args)
+    print("RESULT " + json.dumps(result, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()

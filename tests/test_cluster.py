@@ -1,0 +1,93 @@
+"""Cluster behaviour on Ray's multi-node test cluster (``ray.cluster_utils.Cluster``, every node a raylet on
+127.0.0.1), with the stand-in verifier engine: tensor-parallel placement, the elastic extraction pool with a
+node killed mid-extraction, the pinned verifier service's CLI, and the metrics in the Prometheus export.
+Each scenario runs in its own process (tests/cluster_scenarios.py): a driver joins one cluster per process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _scenario(name: str, verifier: str, workdir: Path, timeout: int = 480) -> dict:
+    proc = subprocess.run([sys.executable, "tests/cluster_scenarios.py", name, "--verifier", verifier,
+                           "--workdir", str(workdir)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"scenario {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.timeout(600)
+def test_tp8_replica_lands_on_one_node_and_two_need_two_nodes(tiny_verifier, tmp_path):
+    r = _scenario("placement", tiny_verifier, tmp_path)
+    assert r["error"] == [] and r["thread_done"]
+    # with one 8-GPU node (and a 4-GPU one) only one TP=8 replica can be placed
+    assert r["states_with_one_gpu8_node"].get("RUNNING") == 1
+    assert sum(r["states_with_one_gpu8_node"].values()) == 2
+    # after a second 8-GPU node joins: two STRICT_PACK groups, each whole on one 8-GPU node, on different nodes
+    pgs = r["placement_groups"]
+    assert len(pgs) == 2
+    for pg in pgs:
+        assert pg["bundles"] == [{"CPU": 0.5}] + [{"GPU": 1.0}] * 8
+        assert len(pg["nodes"]) == 1 and pg["nodes"][0] in r["gpu8_nodes"]
+    assert sorted(pg["nodes"][0] for pg in pgs) == sorted(r["gpu8_nodes"])
+    assert r["gpu4_node"] not in r["replica_nodes"]
+    assert r["replica_nodes"] == sorted(r["gpu8_nodes"])
+
+
+@pytest.mark.timeout(600)
+def test_node_killed_mid_extraction_every_sample_exactly_once(tiny_verifier, tmp_path):
+    r = _scenario("node_kill", tiny_verifier, tmp_path)
+    ids = r["committed_ids"]
+    assert len(ids) == len(set(ids)) == r["prepared_samples"] == 120
+    assert sorted(ids) == sorted(r["prepared_ids"])
+    assert r["complete"] and r["manifest_samples"] == 120
+    assert r["manifest_blocks"] == r["blocks_on_disk"]  # no orphan left, nothing missing
+    assert r["mismatched_rows"] == 0  # every row holds the engine's states for its tokens
+    # the unit in flight on the killed node was redone elsewhere, and the summary says so
+    ev = r["events"]
+    assert any(x["node_id"] == ev["killed"] and x["state"] == "ALIVE" for x in ev["replicas_before"])
+    assert r["retries"] >= 1 and r["manifest_retries"] == r["retries"]
+    # elastic pool: replicas ran on >= 3 nodes (scale-up under queued work, replacement on the node that joined)
+    hosts = r["replica_first_alive_s"]
+    assert ev["added"] in hosts and ev["killed"] in hosts and len(hosts) >= 3
+    # metrics, read from the cluster's Prometheus export
+    m = r["metrics"]
+    assert m["ray_eagle3ray_extract_tokens_total"] == r["manifest_tokens"]
+    assert m["ray_eagle3ray_extract_samples_total"] == 120
+    assert m["ray_eagle3ray_extract_blocks_committed_total"] == len(r["manifest_blocks"])
+    assert m["ray_eagle3ray_extract_batch_tokens_count"] == len(r["manifest_blocks"])
+    assert m["ray_eagle3ray_extract_retries_total"] == r["retries"]
+    assert m["ray_eagle3ray_extract_tokens_per_s"] > 0 and m["ray_eagle3ray_verifier_replicas_alive"] >= 1
+    assert r["train_steps"] == 4
+    assert m["ray_eagle3ray_train_loss"] > 0 and m["ray_eagle3ray_train_tokens_per_s"] > 0
+    assert {f"ray_eagle3ray_train_accuracy[position={k}]" for k in range(3)} <= set(m)
+
+
+@pytest.mark.timeout(600)
+def test_pinned_verifier_service_cli(tiny_verifier, tmp_path):
+    r = _scenario("service", tiny_verifier, tmp_path)
+    assert r["start"]["rc"] == 0 and "is up (pinned)" in r["start"]["out"] + r["start"]["err"]
+    (s1,) = json.loads(r["status1"]["out"]).values()
+    assert s1["pinned"] and s1["matches_config"] and s1["status"] == "RUNNING" and s1["extract_calls"] == 0
+    assert s1["uptime_seconds"] > 0 and s1["load_seconds"] >= 0
+    assert r["extract"]["rc"] == 0, r["extract"]["err"]
+    assert "reusing running" in r["extract"]["out"]
+    (s2,) = json.loads(r["status2"]["out"]).values()
+    assert s2["identity_hash"] == s1["identity_hash"] and s2["loads_in_process"] == 1
+    assert s2["tokens"] > 0 and s2["extract_calls"] > 0 and s2["uptime_seconds"] > s1["uptime_seconds"]
+    # another verifier (other aux layers) is refused, naming the field, instead of starting a second service
+    mm = r["mismatch"]
+    assert mm["rc"] == 1
+    text = " ".join((mm["out"] + mm["err"]).split())
+    assert "runs another verifier" in text and "layer_ids: running [2, 4, 5, 8], this config [1, 3, 5, 8]" in text
+    assert "Traceback" not in mm["err"]
+    assert r["stop"]["rc"] == 0 and "stopped" in r["stop"]["out"] + r["stop"]["err"]
+    assert "no verifier service is running" in r["status3"]["out"] + r["status3"]["err"]
