@@ -157,7 +157,39 @@ def from_storage_bytes(buf: bytes, shape, storage_dtype: str):
     return np.frombuffer(buf, dtype=np.dtype(storage_dtype)).astype(np.float32).reshape(shape)
 
 
-class VerifierEngine:
+class _EngineCounters:
+    """Load time, uptime and request/token counters shared by the engines (``info`` reports them)."""
+
+    loads_in_process = 0  # engines of this class loaded by this process (a reused service stays at 1)
+
+    def _start_counters(self, load_seconds: float) -> None:
+        type(self).loads_in_process += 1
+        self.load_seconds = load_seconds
+        self.loaded_at = time.time()
+        self.stats = {"extract_calls": 0, "generate_calls": 0, "samples": 0, "tokens": 0, "batch_tokens": []}
+
+    def _count_extract(self, samples: list[dict]) -> None:
+        ntok = sum(len(s["input_ids"]) for s in samples)
+        self.stats["extract_calls"] += 1
+        self.stats["samples"] += len(samples)
+        self.stats["tokens"] += ntok
+        self.stats["batch_tokens"].append(ntok)
+        del self.stats["batch_tokens"][:-1000]
+
+    def _count_generate(self, prompts: list[list[int]]) -> None:
+        self.stats["generate_calls"] += 1
+        self.stats["tokens"] += sum(len(p) for p in prompts)
+
+    def info(self) -> dict:
+        """Identity, load time (s), uptime (s), requests served, tokens processed, per-call batch tokens."""
+        return {
+            "identity_hash": self.spec.identity_hash(), "identity": self.spec.identity(), "pid": os.getpid(),
+            "load_seconds": self.load_seconds, "uptime_seconds": time.time() - self.loaded_at,
+            "loads_in_process": type(self).loads_in_process, **self.stats,
+        }
+
+
+class VerifierEngine(_EngineCounters):
     """A vLLM engine configured for hidden-state extraction (and usable for generation).
 
     Args:
@@ -165,11 +197,10 @@ class VerifierEngine:
             (vLLM chunks longer prefills), so an extraction batch never prefills more than that.
     """
 
-    loads_in_process = 0  # engines loaded by this process (a reused service stays at 1)
+    loads_in_process = 0
 
     def __init__(self, spec: VerifierSpec | dict):
         self.spec = spec if isinstance(spec, VerifierSpec) else VerifierSpec(**spec)
-        VerifierEngine.loads_in_process += 1
         s = self.spec
         t0 = time.time()
         if s.device == "cpu":
@@ -200,18 +231,8 @@ class VerifierEngine:
             if s.tensor_parallel_size > 1:
                 kwargs["distributed_executor_backend"] = "ray"
         self.llm = LLM(**kwargs)
-        self.load_seconds = time.time() - t0
-        self.loaded_at = time.time()
-        self.stats = {"extract_calls": 0, "generate_calls": 0, "samples": 0, "tokens": 0, "batch_tokens": []}
+        self._start_counters(time.time() - t0)
         log.info("verifier loaded in %.1f s: %s layers %s", self.load_seconds, s.model_path, s.layer_ids)
-
-    def info(self) -> dict:
-        """Identity, load time (s), uptime (s), requests served, tokens processed, per-call batch tokens."""
-        return {
-            "identity_hash": self.spec.identity_hash(), "identity": self.spec.identity(), "pid": os.getpid(),
-            "load_seconds": self.load_seconds, "uptime_seconds": time.time() - self.loaded_at,
-            "loads_in_process": VerifierEngine.loads_in_process, **self.stats,
-        }
 
     def extract(self, samples: list[dict], storage_dtype: str = "bfloat16") -> list[dict]:
         """Hidden states of each sample, prefilled together in one engine call.
@@ -259,12 +280,7 @@ class VerifierEngine:
                 raise VerifierError(f"sample {s['sample_id']}: NaN/Inf in hidden states")
             results.append({"sample_id": s["sample_id"], "hidden_states": to_storage_bytes(states, storage_dtype),
                             "shape": tuple(states.shape)})
-        ntok = sum(len(s["input_ids"]) for s in samples)
-        self.stats["extract_calls"] += 1
-        self.stats["samples"] += len(samples)
-        self.stats["tokens"] += ntok
-        self.stats["batch_tokens"].append(ntok)
-        del self.stats["batch_tokens"][:-1000]
+        self._count_extract(samples)
         return results
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -277,13 +293,12 @@ class VerifierEngine:
             extra_args={"kv_transfer_params": {"skip_hidden_states": True}},
         )
         outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], sp, use_tqdm=False)
-        self.stats["generate_calls"] += 1
-        self.stats["tokens"] += sum(len(p) for p in prompts)
+        self._count_generate(prompts)
         return [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
                  "finish_reason": o.outputs[0].finish_reason} for o in outs]
 
 
-class StandInEngine:
+class StandInEngine(_EngineCounters):
     """A verifier engine that loads no model, with :class:`VerifierEngine`'s interface (``extract``,
     ``generate``, ``info``). For rehearsing what does not depend on the model: placement of
     tensor-parallel replicas, the elastic pool, node failures, metrics (``verifier.engine: stand_in``).
@@ -297,18 +312,7 @@ class StandInEngine:
 
     def __init__(self, spec: VerifierSpec | dict):
         self.spec = spec if isinstance(spec, VerifierSpec) else VerifierSpec(**spec)
-        StandInEngine.loads_in_process += 1
-        self.load_seconds = 0.0
-        self.loaded_at = time.time()
-        self.stats = {"extract_calls": 0, "generate_calls": 0, "samples": 0, "tokens": 0, "batch_tokens": []}
-
-    def info(self) -> dict:
-        """Same fields as :meth:`VerifierEngine.info`."""
-        return {
-            "identity_hash": self.spec.identity_hash(), "identity": self.spec.identity(), "pid": os.getpid(),
-            "load_seconds": self.load_seconds, "uptime_seconds": time.time() - self.loaded_at,
-            "loads_in_process": StandInEngine.loads_in_process, **self.stats,
-        }
+        self._start_counters(0.0)
 
     @staticmethod
     def states(input_ids: list[int], num_layers: int, hidden_size: int):
@@ -342,18 +346,13 @@ class StandInEngine:
             st = torch.from_numpy(self.states(s["input_ids"], L, H))
             out.append({"sample_id": s["sample_id"], "hidden_states": to_storage_bytes(st, storage_dtype),
                         "shape": tuple(st.shape)})
-        self.stats["extract_calls"] += 1
-        self.stats["samples"] += len(samples)
-        self.stats["tokens"] += ntok
-        self.stats["batch_tokens"].append(ntok)
-        del self.stats["batch_tokens"][:-1000]
+        self._count_extract(samples)
         return out
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  seed: int | None = None) -> list[dict]:
         """Echoes the prompt's last tokens (no model): [{"token_ids", "text", "finish_reason"}]."""
-        self.stats["generate_calls"] += 1
-        self.stats["tokens"] += sum(len(p) for p in prompts)
+        self._count_generate(prompts)
         return [{"token_ids": list(p[-max_new_tokens:]), "text": "stand-in answer", "finish_reason": "length"}
                 for p in prompts]
 
