@@ -148,6 +148,59 @@ def replicas_alive(app: str) -> int | None:
         return None
 
 
+def _written_blocks(items: list[dict], writer_kwargs: dict, cfg):
+    """Rows of written (not yet committed) blocks, in completion order, for the driver to commit.
+
+    The first unit is written from the driver itself (a thread calling the service) while Ray Data
+    starts its actor pool for the rest, so a job against a running verifier service commits its first
+    block after one engine call instead of after the pool's start-up.
+
+    Raises:
+        whatever a writer raised (the stage fails; committed blocks stay committed).
+    """
+    import queue
+    import threading
+
+    import ray
+
+    q: queue.Queue = queue.Queue()
+
+    def first() -> None:
+        try:
+            out = BlockWriter(**writer_kwargs)({k: [v] for k, v in items[0].items()})
+            q.put(("row", {k: v[0] for k, v in out.items()}))
+        except BaseException as e:  # noqa: BLE001 - handed to the committing thread
+            q.put(("error", e))
+        finally:
+            q.put(("done", None))
+
+    def rest() -> None:
+        try:
+            if len(items) > 1:
+                ds = ray.data.from_items(items[1:], override_num_blocks=min(len(items) - 1, 200)).map_batches(
+                    BlockWriter, fn_constructor_kwargs=writer_kwargs, batch_size=1, num_cpus=0.1,
+                    compute=ray.data.ActorPoolStrategy(min_size=cfg.extract.min_actors,
+                                                       max_size=cfg.extract.max_actors))
+                for row in ds.iter_rows():
+                    q.put(("row", row))
+        except BaseException as e:  # noqa: BLE001
+            q.put(("error", e))
+        finally:
+            q.put(("done", None))
+
+    for target in (first, rest):
+        threading.Thread(target=target, daemon=True, name=f"extract-{target.__name__}").start()
+    finished = 0
+    while finished < 2:
+        kind, val = q.get()
+        if kind == "row":
+            yield val
+        elif kind == "error":
+            raise val
+        else:
+            finished += 1
+
+
 def _remove_orphans(fs, hs_root: str, manifest: dict) -> int:
     committed = {b["path"] for b in manifest["blocks"]}
     try:
@@ -219,31 +272,27 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
     manifest["rejected"] = {"prepare": conv_man.get("rejected", {}), "extract": rejected.to_json()}
     storage.write_json_atomic(paths.fs, man_path, manifest)
 
+    log.info("extract: %d samples to do, %.2f s into the stage", len(todo), time.time() - t_start)
     units = plan_units(todo, cfg.extract.max_tokens_per_batch)
     summary.batch_tokens_max = max((sum(len(s["input_ids"]) for s in u) for u in units), default=0)
     if units:
         ensure_ray(cfg)
         start_for_config(cfg)
+        log.info("extract: verifier service ready, %.2f s into the stage", time.time() - t_start)
         items = [{"sample_ids": [s["sample_id"] for s in u], "input_ids": [s["input_ids"] for s in u],
                   "loss_mask": [s["loss_mask"] for s in u]} for u in units]
-        ds = ray.data.from_items(items, override_num_blocks=min(len(items), 200)).map_batches(
-            BlockWriter,
-            fn_constructor_kwargs=dict(app=app_name(spec), storage_uri=cfg.run.storage,
-                                       endpoint_url=cfg.run.endpoint_url, hs_root=hs_root,
-                                       storage_dtype=cfg.extract.storage_dtype,
-                                       compression=cfg.extract.compression,
-                                       max_retries=cfg.extract.max_unit_retries),
-            batch_size=1,
-            compute=ray.data.ActorPoolStrategy(min_size=cfg.extract.min_actors, max_size=cfg.extract.max_actors),
-            num_cpus=0.1,
-        )
+        writer_kwargs = dict(app=app_name(spec), storage_uri=cfg.run.storage, endpoint_url=cfg.run.endpoint_url,
+                             hs_root=hs_root, storage_dtype=cfg.extract.storage_dtype,
+                             compression=cfg.extract.compression, max_retries=cfg.extract.max_unit_retries)
         from tqdm.auto import tqdm
 
         bar = tqdm(total=sum(len(u) for u in units), desc="extract", unit="sample", disable=not progress)
         t0 = time.time()
         committed = done
         app, t_replicas, alive = app_name(spec), 0.0, None
-        for row in ds.iter_rows():
+        for row in _written_blocks(items, writer_kwargs, cfg):
+            if not summary.blocks:
+                log.info("extract: first block written, %.2f s into the stage", time.time() - t_start)
             path = row["path"]
             summary.retries += int(row.get("retries", 0))
             ids = blocks.committed_sample_ids(paths.fs, hs_root, {"blocks": [{"path": path}]})

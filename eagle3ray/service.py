@@ -115,6 +115,22 @@ def running_verifiers() -> dict[str, dict]:
     return out
 
 
+def refuse_if_pinned_differs(spec: VerifierSpec) -> None:
+    """Raise when a pinned service (``eagle3ray verifier start``) runs a verifier other than ``spec``.
+
+    Raises:
+        VerifierMismatch: names the service and every differing identity field (running vs this config).
+    """
+    name = app_name(spec)
+    for other, info in running_verifiers().items():
+        if other != name and info.get("pinned"):
+            diff = identity_diff(info.get("identity", {}), spec.identity())
+            fields = "; ".join(f"{k}: running {a!r}, this config {b!r}" for k, (a, b) in diff.items())
+            raise VerifierMismatch(
+                f"verifier service {other} (started with `eagle3ray verifier start`) runs another verifier: "
+                f"{fields}. Use a config that matches it, or `eagle3ray verifier stop` it first.")
+
+
 def get_or_start_verifier(spec: VerifierSpec, min_replicas: int = 1, max_replicas: int = 1,
                           num_cpus: float = 1.0, resources: dict | None = None,
                           pinned: bool = False) -> serve.handle.DeploymentHandle:
@@ -137,13 +153,7 @@ def get_or_start_verifier(spec: VerifierSpec, min_replicas: int = 1, max_replica
         handle = serve.get_app_handle(name)
         _announce("reusing running", name, handle)
         return handle
-    for other, info in running_verifiers().items():
-        if other != name and info.get("pinned"):
-            diff = identity_diff(info.get("identity", {}), spec.identity())
-            fields = "; ".join(f"{k}: running {a!r}, this config {b!r}" for k, (a, b) in diff.items())
-            raise VerifierMismatch(
-                f"verifier service {other} (started with `eagle3ray verifier start`) runs another verifier: "
-                f"{fields}. Use a config that matches it, or `eagle3ray verifier stop` it first.")
+    refuse_if_pinned_differs(spec)
     serve.start(proxy_location="Disabled")
     autoscaling = {"min_replicas": min_replicas, "max_replicas": max_replicas, "initial_replicas": min_replicas,
                    "target_ongoing_requests": 1, "upscale_delay_s": 5, "downscale_delay_s": 60}

@@ -100,12 +100,13 @@ def validate(cfg, force: bool = False) -> dict:
 
     Raises:
         FileNotFoundError: no export (run `eagle3ray export`).
+        VerifierMismatch: a pinned verifier service runs another verifier.
     """
     import ray
     from transformers import AutoTokenizer
 
     from .serving import ServingEngine, acceptance
-    from .service import ensure_ray
+    from .service import ensure_ray, refuse_if_pinned_differs
     from .train import read_metrics
     from .verifier import VerifierSpec
 
@@ -130,6 +131,9 @@ def validate(cfg, force: bool = False) -> dict:
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     draft_dir = _local_export(paths)
     ensure_ray(cfg)
+    # validation serves the draft with its own engines, but never against a verifier other than the one
+    # pinned on this cluster for these jobs
+    refuse_if_pinned_differs(spec)
     v = cfg.verifier
     opts = {"num_cpus": v.num_cpus}
     if v.num_gpus:

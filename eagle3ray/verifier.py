@@ -99,16 +99,8 @@ class VerifierSpec:
 
         v = cfg.verifier
         path = resolve_verifier(v.model, v.cache_dir)
-        hf = read_verifier_config(path)
-        layer_ids = resolve_layer_ids(v.aux_layer_ids, hf["num_hidden_layers"])
-        ident = {
-            "name": v.model,
-            "config_hash": hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest()[:16],
-            "num_hidden_layers": hf["num_hidden_layers"],
-            "hidden_size": hf["hidden_size"],
-            "vocab_size": hf["vocab_size"],
-        }
-        ident.update(_tokenizer_identity(path))
+        ident = {"name": v.model, **model_identity(path, v.cache_dir)}
+        layer_ids = resolve_layer_ids(v.aux_layer_ids, ident["num_hidden_layers"])
         return cls(
             model_path=path, layer_ids=layer_ids, device=v.device, dtype=v.dtype,
             tensor_parallel_size=v.tensor_parallel_size, max_model_len=v.max_model_len,
@@ -129,14 +121,53 @@ class VerifierSpec:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _tokenizer_identity(path: str) -> dict:
-    if "://" in path or not Path(path).exists():
-        return {}
-    from transformers import AutoTokenizer
+_IDENTITY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
-    from .chat import tokenizer_identity
 
-    return tokenizer_identity(AutoTokenizer.from_pretrained(path))
+def _compute_identity(path: str) -> dict:
+    hf = read_verifier_config(path)
+    ident = {
+        "config_hash": hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest()[:16],
+        "num_hidden_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "vocab_size": hf["vocab_size"],
+    }
+    if "://" not in path and Path(path).exists():
+        from transformers import AutoTokenizer
+
+        from .chat import tokenizer_identity
+
+        ident.update(tokenizer_identity(AutoTokenizer.from_pretrained(path)))
+    return ident
+
+
+def model_identity(path: str, cache_dir: str | os.PathLike = "~/.cache/eagle3ray") -> dict:
+    """The verifier's identity: hashes of its (text) config, tokenizer vocabulary and chat template, plus
+    depth, hidden size and vocabulary size. Reads config.json and loads the tokenizer (seconds: it imports
+    transformers); for a local folder the result is cached under ``<cache_dir>/identity/``, keyed by the
+    path and the size and mtime of its config and tokenizer files, so later stages and jobs read it in
+    milliseconds (the warm path of a job against a running verifier service)."""
+    folder = Path(path)
+    if "://" in path or not folder.is_dir():
+        return _compute_identity(path)
+    stats = [(n, st.st_size, st.st_mtime_ns) for n in _IDENTITY_FILES
+             if (f := folder / n).is_file() and (st := f.stat())]
+    key = hashlib.sha256(json.dumps([str(folder.resolve()), stats]).encode()).hexdigest()[:24]
+    cache = Path(cache_dir).expanduser() / "identity" / f"{key}.json"
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        pass
+    ident = _compute_identity(path)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(ident))
+        os.replace(tmp, cache)
+    except OSError as e:  # a read-only home only costs the speed-up
+        log.debug("identity cache not written: %s", e)
+    return ident
 
 
 def to_storage_bytes(states, storage_dtype: str) -> bytes:
