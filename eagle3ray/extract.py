@@ -151,9 +151,10 @@ def replicas_alive(app: str) -> int | None:
 def _written_blocks(items: list[dict], writer_kwargs: dict, cfg):
     """Rows of written (not yet committed) blocks, in completion order, for the driver to commit.
 
-    The first unit is written from the driver itself (a thread calling the service) while Ray Data
-    starts its actor pool for the rest, so a job against a running verifier service commits its first
-    block after one engine call instead of after the pool's start-up.
+    The first unit (a small probe, see :func:`extract`) is written from the driver itself (a thread
+    calling the service) while Ray Data starts its actor pool for the rest, so a job against a running
+    verifier service commits its first block after one short engine call instead of after the pool's
+    start-up.
 
     Raises:
         whatever a writer raised (the stage fails; committed blocks stay committed).
@@ -273,7 +274,10 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
     storage.write_json_atomic(paths.fs, man_path, manifest)
 
     log.info("extract: %d samples to do, %.2f s into the stage", len(todo), time.time() - t_start)
-    units = plan_units(todo, cfg.extract.max_tokens_per_batch)
+    # the first unit is a small probe (a quarter of the budget): a job commits its first block, and so
+    # proves engine, encoding, storage and manifest, after a short engine call
+    probe = plan_units(todo, max(1, cfg.extract.max_tokens_per_batch // 4))[:1]
+    units = probe + plan_units(todo[len(probe[0]) if probe else 0:], cfg.extract.max_tokens_per_batch)
     summary.batch_tokens_max = max((sum(len(s["input_ids"]) for s in u) for u in units), default=0)
     if units:
         ensure_ray(cfg)
