@@ -60,3 +60,29 @@ def test_relative_storage_is_resolved_once_against_the_working_directory(tmp_pat
     cfg = load_config(None, ["run.storage=file://./runs"])
     assert cfg.run.storage == f"file://{tmp_path}/runs"
     assert load_config(None, ["run.storage=s3://bucket/prefix"]).run.storage == "s3://bucket/prefix"
+
+
+def test_verifier_identity_is_cached_per_folder_and_invalidated_by_changes(tiny_verifier, tmp_path):
+    """Jobs after the first read the verifier identity from the cache (no tokenizer load); editing a
+    tokenizer or config file gives a new key, so a changed verifier is never mistaken for the old one."""
+    import json
+    import shutil
+
+    from eagle3ray.verifier import model_identity
+
+    folder = tmp_path / "v"
+    shutil.copytree(tiny_verifier, folder)
+    cache = tmp_path / "cache"
+    a = model_identity(str(folder), cache)
+    files = list((cache / "identity").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text()) == a
+    assert set(a) >= {"config_hash", "tokenizer_hash", "chat_template_hash", "hidden_size", "num_hidden_layers"}
+    assert model_identity(str(folder), cache) == a  # served from the cache
+    tc = folder / "tokenizer_config.json"
+    cfg = json.loads(tc.read_text())
+    cfg["chat_template"] = "{{ messages[0]['content'] }}"
+    tc.write_text(json.dumps(cfg))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    b = model_identity(str(folder), cache)
+    assert b["chat_template_hash"] != a["chat_template_hash"] and b["config_hash"] == a["config_hash"]
+    assert len(list((cache / "identity").glob("*.json"))) == 2
