@@ -50,7 +50,7 @@ def _replica_options(spec: VerifierSpec, num_cpus: float, resources: dict | None
     return opts
 
 
-@serve.deployment(max_ongoing_requests=1, health_check_period_s=30, health_check_timeout_s=120,
+@serve.deployment(max_ongoing_requests=1, health_check_period_s=10, health_check_timeout_s=120,
                   graceful_shutdown_timeout_s=30)
 class VerifierDeployment:
     """Serve wrapper around :class:`VerifierEngine` (methods forwarded unchanged)."""

@@ -235,6 +235,11 @@ def node_kill(args) -> dict:
     threading.Thread(target=scraper, daemon=True).start()
     s = extract(cfg, on_commit=on_commit, progress=False)
     extract_s = time.time() - t0
+    # the pool re-grows on the node that joined: Serve replaces the dead replica once its health check
+    # fails (every 10 s); wait for it if extraction finished first
+    deadline = time.time() + 90
+    while events.get("added") and events["added"] not in alive_on and time.time() < deadline:
+        time.sleep(1)
     paths = storage.run_paths(cfg)
     man, files = blocks.read_committed(paths.fs, paths.hidden_states)
     ids = blocks.committed_sample_ids(paths.fs, paths.hidden_states, man)
