@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import fsspec
 
