@@ -206,6 +206,10 @@ class TrainSection(_Strict):
     grad_clip: float = Field(1.0, gt=0)
     ttt_steps: int = Field(3, ge=1, description="Training-time test steps (EAGLE-3).")
     ttt_step_loss_decay: float = Field(1.0, gt=0, description="Loss weight decay per TTT step (speculators).")
+    loss_positions: Literal["assistant", "all"] = Field(
+        "assistant", description="Token positions that carry the training loss: assistant answers only, or every "
+        "position (prompt tokens too; the target is the verifier's own next-token distribution there as well, so "
+        "this is more distillation signal at no extra compute). Held-out metrics always use assistant positions.")
     loss: str = Field("kl_div", description="speculators loss spec (name or JSON of name: weight).")
     loss_impl: Literal["eager", "fused"] = Field("eager", description="'fused' is a Triton kernel (GPU only).")
     attn_impl: Literal["sdpa", "eager", "simple_flex_attention"] = Field(

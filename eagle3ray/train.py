@@ -92,8 +92,12 @@ def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: di
     )
 
 
-def row_to_sample(row: dict):
+def row_to_sample(row: dict, all_positions: bool = False):
     """A block row -> speculators' per-sample dict, shifted (token t+1 with the states of token t).
+
+    Args:
+        row: one block row (``blocks.SCHEMA``).
+        all_positions: loss on every position instead of the row's ``loss_mask`` (assistant tokens).
 
     Returns tensors: hidden_states [T-1, 3H], input_ids [T-1], verifier_last_hidden_states [T-1, H],
     loss_mask [T-1], lengths [1], position_ids [T-1].
@@ -107,7 +111,8 @@ def row_to_sample(row: dict):
         "hidden_states": st[:, :-1].flatten(1),  # shape: [T, 3H]
         "input_ids": torch.as_tensor(row["input_ids"], dtype=torch.long),
         "verifier_last_hidden_states": st[:, -1],  # shape: [T, H]
-        "loss_mask": torch.as_tensor(row["loss_mask"], dtype=torch.long),
+        "loss_mask": (torch.ones(T, dtype=torch.long) if all_positions
+                      else torch.as_tensor(row["loss_mask"], dtype=torch.long)),
         "lengths": torch.tensor([T]),
         "position_ids": torch.arange(T),
     })
@@ -234,7 +239,7 @@ def train_loop_per_worker(config: dict) -> None:  # noqa: C901 - one readable lo
                                                           loss_config=loss_cfg)
         return loss, metrics
 
-    def batches(shard, seed, skip: set, holder: dict):
+    def batches(shard, seed, skip: set, holder: dict, all_positions: bool = False):
         """Packed batches of one epoch of ``shard``; ``holder["it"]`` lets the caller drain the rest."""
         it = iter(shard.iter_batches(batch_size=8, batch_format="pyarrow",
                                      local_shuffle_buffer_size=tc["shuffle_buffer_rows"] or None,
@@ -245,7 +250,7 @@ def train_loop_per_worker(config: dict) -> None:  # noqa: C901 - one readable lo
             for tbl in it:
                 for row in tbl.to_pylist():
                     if row["sample_id"] not in skip:
-                        yield row["sample_id"], row_to_sample(row)
+                        yield row["sample_id"], row_to_sample(row, all_positions)
 
         for group in pack_rows(rows(), tc["max_tokens_per_batch"]):
             yield [sid for sid, _ in group], collate([s for _, s in group])
@@ -310,7 +315,8 @@ def train_loop_per_worker(config: dict) -> None:  # noqa: C901 - one readable lo
     t_last, tokens_since, tail = time.time(), 0, 0
     while step < tc["max_steps"]:
         holder: dict = {}
-        for ids, batch in batches(ray.train.get_dataset_shard("train"), tc["seed"] + epoch, consumed, holder):
+        for ids, batch in batches(ray.train.get_dataset_shard("train"), tc["seed"] + epoch, consumed, holder,
+                                  tc["loss_positions"] == "all"):
             if not all_min(1):  # another rank's share of this epoch is used up: all end the epoch together
                 tail += len(ids) + drain(holder)
                 break
