@@ -16,6 +16,8 @@ model.layers.0.self_attn.o_proj   [H, n_heads*head_dim]
 model.layers.0.mlp.gate/up_proj   [I, H];  down_proj [H, I]
 model.layers.0.*norm*             [H]  (input_layernorm, hidden_norm, post_attention_layernorm)
 model.norm.weight                 [H]
+model.input_norm.weight           [A*H_t]  (only with ``norm_before_fc``: RMSNorm before fc)
+model.fc_norm.{j}.weight          [H_t]  (only with ``fc_norm``: one RMSNorm per auxiliary state)
 lm_head.weight                    [Vd, H]
 draft_id_to_target_id (d2t)       [Vd] integer offsets, d2t[i] + i < V
 model.embed_tokens.weight         [V, H]  (optional: vLLM shares the verifier's when absent)
@@ -109,6 +111,10 @@ def expected_shapes(draft_cfg: dict, num_aux: int, target_hidden: int) -> dict[s
         "lm_head.weight": [Vd, H],
         "draft_id_to_target_id": [Vd],
     }
+    if draft_cfg.get("norm_before_fc"):  # one RMSNorm over the concatenated auxiliary states (vLLM input_norm)
+        shapes["model.input_norm.weight"] = [num_aux * target_hidden]
+    if draft_cfg.get("fc_norm"):  # one RMSNorm per auxiliary state (Eagle 3.1)
+        shapes.update({f"model.fc_norm.{j}.weight": [target_hidden] for j in range(num_aux)})
     for i in range(L):
         p = f"model.layers.{i}."
         qkv_in = 2 * H if i == 0 else H

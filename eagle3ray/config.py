@@ -220,6 +220,11 @@ class TrainSection(_Strict):
         "hidden/heads. Kimi-K2 drafts use 128 (7168/64 = 112).",
     )
     norm_before_residual: bool = True
+    norm_before_fc: bool = Field(
+        True, description="RMSNorm over the concatenated auxiliary hidden states before the fc projection "
+        "(speculators' eagle3 default; vLLM reads it from the draft's config.json).")
+    norm_output: bool = Field(
+        True, description="Feed post-norm draft states across TTT steps (Eagle 3.1; speculators' eagle3 default).")
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints (and held-out evaluations).")
     val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of committed blocks held out (>= 1 block).")
     shuffle_buffer_rows: int = Field(64, ge=0, description="Ray Data local shuffle buffer, in samples.")

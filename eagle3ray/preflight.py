@@ -151,6 +151,8 @@ def draft_config_dict(cfg, vtext: dict, layer_ids: list[int]) -> dict:
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.vocab.draft_vocab_size,
         "norm_before_residual": cfg.train.norm_before_residual,
+        "norm_before_fc": cfg.train.norm_before_fc,
+        "norm_output": cfg.train.norm_output,
         "target_hidden_size": vtext["hidden_size"],
         "eagle_aux_hidden_state_layer_ids": list(layer_ids[:-1]),
     }

@@ -69,8 +69,9 @@ def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: di
         verifier_path: folder or hub id (``config.json`` is resolved with transformers' ``cached_file``).
         aux_layer_ids: the three auxiliary ids (without the final id L).
         d2t: [Vd] int64 offsets; t2d: [V] bool.
-        tcfg: ``train`` section as a dict (num_draft_layers, draft_head_dim, norm_before_residual, ttt_steps,
-            attn_impl).
+        tcfg: ``train`` section as a dict (num_draft_layers, draft_head_dim, norm_before_residual,
+            norm_before_fc, norm_output, ttt_steps, attn_impl). ``norm_before_fc`` and ``norm_output`` default
+            to True as in speculators' training CLI for eagle3 (``from_training_args`` itself defaults to False).
     """
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -87,6 +88,7 @@ def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: di
     return Eagle3DraftModel.from_training_args(
         text, t2d=torch.as_tensor(t2d, dtype=torch.bool), d2t=torch.as_tensor(d2t, dtype=torch.long),
         num_layers=tcfg["num_draft_layers"], norm_before_residual=tcfg["norm_before_residual"],
+        norm_before_fc=tcfg.get("norm_before_fc", False), norm_output=tcfg.get("norm_output", False),
         ttt_steps=tcfg["ttt_steps"], verifier_name_or_path=verifier_path, draft_vocab_size=len(d2t),
         target_layer_ids=list(aux_layer_ids), draft_attn_impl=tcfg["attn_impl"],
     )
@@ -379,6 +381,41 @@ def _check_manifest(man: dict, spec, where: str) -> None:
                                           "this config's verifier")
 
 
+# Train fields that do not change what a step computes: extending max_steps continues a finished run.
+_RESUMABLE_FIELDS = ("max_steps", "checkpoint_every", "max_failures")
+
+
+def train_settings(cfg, paths: storage.RunPaths) -> dict:
+    """What the checkpoints of a run depend on: the train section (less ``_RESUMABLE_FIELDS``) and the vocabulary."""
+    vocab = storage.read_json(paths.fs, f"{paths.sub('vocab')}/vocab.json") or {}
+    tc = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in _RESUMABLE_FIELDS}
+    return {"train": tc, "vocab": {k: vocab.get(k) for k in ("draft_vocab_size", "token_freq_sha256")}}
+
+
+def _supersede_if_settings_changed(paths: storage.RunPaths, ck: str, settings: dict) -> None:
+    """Checkpoints made with other settings are moved aside (never resumed, never deleted); then record ours.
+
+    A run's ``checkpoints/settings.json`` holds :func:`train_settings` of the config that made them. When the
+    config now differs (say ``train.lr``), resuming would mix two trainings and skipping would keep a draft the
+    config does not describe, so the old folder becomes ``checkpoints.superseded-<n>`` and training starts over.
+    """
+    path = f"{ck}/settings.json"
+    old = storage.read_json(paths.fs, path)
+    if old is not None and old != settings:
+        changed = sorted(f"{sec}.{k}: {old.get(sec, {}).get(k)!r} -> {settings[sec].get(k)!r}"
+                         for sec in settings for k in set(settings[sec]) | set(old.get(sec, {}))
+                         if old.get(sec, {}).get(k) != settings[sec].get(k))
+        n = 1
+        while paths.fs.exists(f"{ck}.superseded-{n}"):
+            n += 1
+        paths.fs.mv(ck, f"{ck}.superseded-{n}", recursive=True)
+        log.warning("train settings changed (%s): the previous checkpoints moved to %s.superseded-%d; training "
+                    "starts from step 0", "; ".join(changed), ck, n)
+        old = None
+    if old is None:
+        storage.write_json_atomic(paths.fs, path, settings)
+
+
 def train(cfg, fail_at_step: int | None = None, trace_dir: str | None = None) -> TrainSummary:
     """Run (or resume, or skip when finished) the train stage of ``cfg``.
 
@@ -410,6 +447,7 @@ def train(cfg, fail_at_step: int | None = None, trace_dir: str | None = None) ->
     _check_manifest(man, spec, f"{paths.uri}/hidden_states/manifest.json")
     ck = paths.sub("checkpoints")
     tc = cfg.train.model_dump()
+    _supersede_if_settings_changed(paths, ck, train_settings(cfg, paths))
     done = storage.read_json(paths.fs, f"{ck}/complete.json")
     if done and done.get("max_steps") == cfg.train.max_steps:
         return TrainSummary(steps=done["steps"], skipped=True, best_step=done.get("best_step"),

@@ -1,0 +1,82 @@
+"""A block row -> speculators' training sample: the shift, the state split and the loss positions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from eagle3ray.blocks import build_block  # noqa: E402
+from eagle3ray.train import row_to_sample  # noqa: E402
+from eagle3ray.verifier import to_storage_bytes  # noqa: E402
+
+
+def _row(T=6, H=4):
+    # states[t, l, h] = 100 t + 10 l + h, so every value tells where it came from
+    states = (100 * np.arange(T)[:, None, None] + 10 * np.arange(4)[None, :, None]
+              + np.arange(H)[None, None, :]).astype(np.float32)
+    mask = [0, 0, 0, 1, 1, 1][:T]
+    table = build_block([{"sample_id": "s0", "input_ids": list(range(10, 10 + T)), "loss_mask": mask}],
+                        [{"sample_id": "s0", "shape": [T, 4, H],
+                          "hidden_states": to_storage_bytes(torch.from_numpy(states), "float32")}], "float32")
+    return table.to_pylist()[0], states, mask
+
+
+def test_sample_is_shifted_and_split_into_aux_and_final_states():
+    row, states, mask = _row()
+    s = row_to_sample(row)
+    T = len(mask)
+    # token t+1 is paired with the auxiliary states of token t and the final state of token t+1 (speculators)
+    assert s["input_ids"].tolist() == list(range(11, 10 + T))
+    assert s["hidden_states"].shape == (T - 1, 3 * 4)
+    assert torch.equal(s["hidden_states"], torch.from_numpy(states[:-1, :3].reshape(T - 1, -1)))
+    assert torch.equal(s["verifier_last_hidden_states"], torch.from_numpy(states[1:, 3]))
+    assert s["loss_mask"].tolist() == mask[1:]
+    assert int(s["lengths"][0]) == T - 1
+
+
+def test_all_positions_puts_the_loss_on_prompt_tokens_too():
+    row, _, mask = _row()
+    s = row_to_sample(row, all_positions=True)
+    assert s["loss_mask"].tolist() == [1] * (len(mask) - 1)
+    # only the mask changes
+    ref = row_to_sample(row)
+    for k in ("input_ids", "hidden_states", "verifier_last_hidden_states", "position_ids"):
+        assert torch.equal(s[k], ref[k])
+
+
+def test_changed_train_settings_supersede_old_checkpoints(tmp_path, caplog):
+    from eagle3ray import storage
+    from eagle3ray.config import load_config
+    from eagle3ray.train import _supersede_if_settings_changed, train_settings
+
+    cfg = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r"])
+    paths = storage.run_paths(cfg)
+    ck = paths.sub("checkpoints")
+    storage.write_json_atomic(paths.fs, f"{paths.sub('vocab')}/vocab.json",
+                              {"draft_vocab_size": 8192, "token_freq_sha256": "abc"})
+    first = train_settings(cfg, paths)
+    _supersede_if_settings_changed(paths, ck, first)
+    storage.write_json_atomic(paths.fs, f"{ck}/complete.json", {"max_steps": 120})
+
+    # more steps, another checkpoint interval: same training, kept (a finished run is extended)
+    longer = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r", "train.max_steps=500",
+                                "train.checkpoint_every=7"])
+    _supersede_if_settings_changed(paths, ck, train_settings(longer, paths))
+    assert paths.fs.exists(f"{ck}/complete.json")
+
+    # another learning rate: the old checkpoints are moved aside, nothing is deleted, the change is logged
+    other = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r", "train.lr=0.001"])
+    with caplog.at_level("WARNING", logger="eagle3ray.train"):
+        _supersede_if_settings_changed(paths, ck, train_settings(other, paths))
+    assert not paths.fs.exists(f"{ck}/complete.json")
+    assert paths.fs.exists(f"{ck}.superseded-1/complete.json")
+    assert "train.lr: 0.0006 -> 0.001" in caplog.text
+    assert storage.read_json(paths.fs, f"{ck}/settings.json") == train_settings(other, paths)
+
+    # a rebuilt vocabulary (other token counts) also makes the checkpoints stale
+    storage.write_json_atomic(paths.fs, f"{paths.sub('vocab')}/vocab.json",
+                              {"draft_vocab_size": 8192, "token_freq_sha256": "def"})
+    _supersede_if_settings_changed(paths, ck, train_settings(other, paths))
+    assert paths.fs.exists(f"{ck}.superseded-2/settings.json")
