@@ -74,7 +74,8 @@ def main() -> int:
     ok = True
     results = {}
     for attn, loss_impl in (("simple_flex_attention", "fused"), ("sdpa", "eager")):
-        tc = {"num_draft_layers": 1, "norm_before_residual": True, "ttt_steps": 3, "attn_impl": attn}
+        tc = {"num_draft_layers": 1, "norm_before_residual": True, "norm_before_fc": True, "norm_output": True,
+              "ttt_steps": 3, "attn_impl": attn}
         torch.manual_seed(0)
         draft = build_draft(tmp, layer_ids[:-1], d2t, t2d, tc).to(dev)
         opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-3)

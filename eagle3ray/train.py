@@ -70,8 +70,9 @@ def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: di
         aux_layer_ids: the three auxiliary ids (without the final id L).
         d2t: [Vd] int64 offsets; t2d: [V] bool.
         tcfg: ``train`` section as a dict (num_draft_layers, draft_head_dim, norm_before_residual,
-            norm_before_fc, norm_output, ttt_steps, attn_impl). ``norm_before_fc`` and ``norm_output`` default
-            to True as in speculators' training CLI for eagle3 (``from_training_args`` itself defaults to False).
+            norm_before_fc, norm_output, ttt_steps, attn_impl). The config defaults ``norm_before_fc`` and
+            ``norm_output`` to True as speculators' training CLI does for eagle3 (``from_training_args`` itself
+            defaults them to False).
     """
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -88,7 +89,7 @@ def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: di
     return Eagle3DraftModel.from_training_args(
         text, t2d=torch.as_tensor(t2d, dtype=torch.bool), d2t=torch.as_tensor(d2t, dtype=torch.long),
         num_layers=tcfg["num_draft_layers"], norm_before_residual=tcfg["norm_before_residual"],
-        norm_before_fc=tcfg.get("norm_before_fc", False), norm_output=tcfg.get("norm_output", False),
+        norm_before_fc=tcfg["norm_before_fc"], norm_output=tcfg["norm_output"],
         ttt_steps=tcfg["ttt_steps"], verifier_name_or_path=verifier_path, draft_vocab_size=len(d2t),
         target_layer_ids=list(aux_layer_ids), draft_attn_impl=tcfg["attn_impl"],
     )
@@ -386,10 +387,12 @@ _RESUMABLE_FIELDS = ("max_steps", "checkpoint_every", "max_failures")
 
 
 def train_settings(cfg, paths: storage.RunPaths) -> dict:
-    """What the checkpoints of a run depend on: the train section (less ``_RESUMABLE_FIELDS``) and the vocabulary."""
+    """What the checkpoints of a run depend on, flat (``train.lr``, ``vocab.token_freq_sha256``, ...): the train
+    section less ``_RESUMABLE_FIELDS``, and the draft vocabulary."""
     vocab = storage.read_json(paths.fs, f"{paths.sub('vocab')}/vocab.json") or {}
-    tc = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in _RESUMABLE_FIELDS}
-    return {"train": tc, "vocab": {k: vocab.get(k) for k in ("draft_vocab_size", "token_freq_sha256")}}
+    out = {f"train.{k}": v for k, v in cfg.train.model_dump(mode="json").items() if k not in _RESUMABLE_FIELDS}
+    out.update({f"vocab.{k}": vocab.get(k) for k in ("draft_vocab_size", "token_freq_sha256")})
+    return out
 
 
 def _supersede_if_settings_changed(paths: storage.RunPaths, ck: str, settings: dict) -> None:
@@ -402,9 +405,8 @@ def _supersede_if_settings_changed(paths: storage.RunPaths, ck: str, settings: d
     path = f"{ck}/settings.json"
     old = storage.read_json(paths.fs, path)
     if old is not None and old != settings:
-        changed = sorted(f"{sec}.{k}: {old.get(sec, {}).get(k)!r} -> {settings[sec].get(k)!r}"
-                         for sec in settings for k in set(settings[sec]) | set(old.get(sec, {}))
-                         if old.get(sec, {}).get(k) != settings[sec].get(k))
+        changed = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(old) | set(settings))
+                   if old.get(k) != settings.get(k)]
         n = 1
         while paths.fs.exists(f"{ck}.superseded-{n}"):
             n += 1
