@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import blocks, storage
+from . import blocks, check_code_fingerprint, code_fingerprint, storage
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,7 @@ def train_loop_per_worker(config: dict) -> None:  # noqa: C901 - one readable lo
     tc = config["train"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    check_code_fingerprint(config.get("code_fingerprint"), f"Ray Train worker {rank}")
     device = ray.train.torch.get_device()
     use_cuda = device.type == "cuda"
     random.seed(tc["seed"] + rank)
@@ -468,7 +469,7 @@ def train(cfg, fail_at_step: int | None = None, trace_dir: str | None = None) ->
         "train": tc, "verifier_path": spec.model_path, "aux_layer_ids": spec.layer_ids[:-1],
         "hidden_size": spec.model_identity["hidden_size"], "d2t": d2t.numpy(), "t2d": t2d.numpy(),
         "storage_uri": cfg.run.storage, "endpoint_url": cfg.run.endpoint_url, "run_name": cfg.run.name,
-        "fail_at_step": fail_at_step, "trace_dir": trace_dir,
+        "fail_at_step": fail_at_step, "trace_dir": trace_dir, "code_fingerprint": code_fingerprint(),
     }
     resources = {"CPU": cfg.train.cpus_per_worker}
     if cfg.train.use_gpu:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -80,3 +82,29 @@ def test_changed_train_settings_supersede_old_checkpoints(tmp_path, caplog):
                               {"draft_vocab_size": 8192, "token_freq_sha256": "def"})
     _supersede_if_settings_changed(paths, ck, train_settings(other, paths))
     assert paths.fs.exists(f"{ck}.superseded-2/settings.json")
+
+
+def test_code_fingerprint_tells_another_checkout_apart(tmp_path):
+    import importlib.util
+    import shutil
+
+    import eagle3ray
+
+    here = eagle3ray.code_fingerprint()
+    eagle3ray.check_code_fingerprint(here, "Ray Train worker 0")  # the same code: no error
+    eagle3ray.check_code_fingerprint(None, "Ray Train worker 0")  # no fingerprint given: no check
+    copy = tmp_path / "eagle3ray"
+    shutil.copytree(os.path.dirname(eagle3ray.__file__), copy, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def load(path):
+        spec = importlib.util.spec_from_file_location("eagle3ray_copy", path / "__init__.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    assert load(copy).code_fingerprint() == here  # same files elsewhere: same code
+    (copy / "train.py").write_text((copy / "train.py").read_text() + "\n# edited\n")
+    other = load(copy)
+    assert other.code_fingerprint() != here
+    with pytest.raises(RuntimeError, match=r"Ray Train worker 1 imports eagle3ray from .*differs from the driver's"):
+        other.check_code_fingerprint(here, "Ray Train worker 1")
