@@ -12,7 +12,8 @@ def code_fingerprint() -> str:
     The driver hands its fingerprint to Ray workers, which compare it with their own. Ray puts the
     driver's working directory on workers' ``sys.path``, so a second checkout with an ``eagle3ray/``
     folder there shadows the installed package in the workers only; the comparison turns that into a
-    clear error instead of a job that silently runs other code.
+    clear error instead of a job that silently runs other code. So does an edit to the package while a job
+    runs (a worker that starts or restarts after it would run the edited code).
     """
     root = pathlib.Path(__file__).resolve().parent
     h = hashlib.sha256()
@@ -32,5 +33,6 @@ def check_code_fingerprint(expected: str | None, where: str) -> None:
     if mine != expected:
         raise RuntimeError(
             f"{where} imports eagle3ray from {pathlib.Path(__file__).resolve().parent} (code {mine}), which differs "
-            f"from the driver's (code {expected}). Ray puts the driver's working directory on workers' sys.path: "
-            "run from a directory without another eagle3ray/ folder, or install the checkout you run from.")
+            f"from the driver's (code {expected}): the package was edited after the job started, or the driver's "
+            "working directory holds another eagle3ray/ folder (Ray puts it on workers' sys.path). Re-run, from a "
+            "directory without another checkout, with the code you mean to run.")

@@ -3,7 +3,9 @@
 The draft is rebuilt with speculators (``Eagle3DraftModel``: config.json with
 ``speculators_model_type: eagle3``, ``speculators_config``, ``transformer_layer_config``), the
 trained weights are loaded into it, and ``save_pretrained`` writes ``config.json`` +
-``model.safetensors`` (fc, layers.0.*, norm, lm_head, d2t, t2d, embed_tokens). ``provenance.json``
+``model.safetensors`` (fc, layers.0.*, norm, lm_head, d2t, t2d, embed_tokens); its proposal's
+``speculative_tokens`` (vLLM's default ``num_speculative_tokens``) is ``validation.num_speculative_tokens``,
+the k validate measures, not ``train.ttt_steps``. ``provenance.json``
 records versions, git revision, the resolved config and the checkpoint's step and metrics. Stock
 vLLM then loads the folder with
 ``speculative_config={"method": "eagle3", "model": DIR, "num_speculative_tokens": k}``.
@@ -84,6 +86,10 @@ def export(cfg, force: bool = False) -> ExportSummary:
         raise RuntimeError(f"checkpoint {best['checkpoint']}: weights {sorted(set(state) ^ trainable)[:5]} do not "
                            "match the draft this config builds")
     draft.load_state_dict(state, strict=False)
+    # vLLM takes k from the first proposal method when the serving config gives none; propose the k that
+    # validate measures, which may exceed the TTT steps trained (vLLM runs the draft on its own output)
+    k = cfg.validation.num_speculative_tokens
+    draft.config.speculators_config.proposal_methods[0].speculative_tokens = k
     draft = draft.to(torch.bfloat16 if cfg.verifier.dtype == "bfloat16" else torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
         draft.save_pretrained(tmp)
@@ -99,7 +105,7 @@ def export(cfg, force: bool = False) -> ExportSummary:
             "layer_ids": spec.layer_ids, "files": files, "versions": _versions(), "git_revision": _git_revision(),
             "config": json.loads(cfg.model_dump_json()), "created_at": time.time(),
             "vllm_usage": {"method": "eagle3", "model": paths.uri + "/export",
-                           "num_speculative_tokens": cfg.train.ttt_steps},
+                           "num_speculative_tokens": k},
         }
         storage.write_json_atomic(paths.fs, f"{out}/provenance.json", provenance)
     local = out if storage.is_local(paths.fs) else None

@@ -49,7 +49,7 @@ def trained(ray_session, tmp_path_factory, tiny_verifier):
         "extract": {"max_tokens_per_batch": 512},
         "vocab": {"draft_vocab_size": 512},
         "train": {"num_workers": 2, "cpus_per_worker": 0.5, "max_steps": MAX_STEPS, "checkpoint_every": 10,
-                  "max_tokens_per_batch": 256, "lr": 3e-3, "warmup_steps": 5, "val_fraction": 0.15,
+                  "max_tokens_per_batch": 256, "lr": 3e-3, "warmup_steps": 5, "val_fraction": 0.15, "ttt_steps": 2,
                   "shuffle_buffer_rows": 16, "max_failures": 1},
     }))
     cfg = load_config(cfg_path)
@@ -114,6 +114,12 @@ def test_export_loads_in_vllm_and_keeps_greedy_text(trained, ray_session, tiny_v
     e = export(cfg)
     rep = check_draft(e.local_dir, tiny_verifier)
     assert rep.ok, rep.render()
+    # trained with 2 TTT steps, the draft proposes validate's k (3), which vLLM takes when given no k
+    assert cfg.train.ttt_steps == 2 and cfg.validation.num_speculative_tokens == 3
+    with open(os.path.join(e.local_dir, "config.json")) as f:
+        assert json.load(f)["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    with open(os.path.join(e.local_dir, "provenance.json")) as f:
+        assert json.load(f)["vllm_usage"]["num_speculative_tokens"] == 3
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_verifier)
