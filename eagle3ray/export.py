@@ -73,7 +73,9 @@ def export(cfg, force: bool = False) -> ExportSummary:
         raise FileNotFoundError(f"{paths.uri}/checkpoints/best.json: no trained checkpoint; run `eagle3ray train`")
     out = paths.sub("export")
     prov = storage.read_json(paths.fs, f"{out}/provenance.json")
-    if prov and not force and prov.get("checkpoint") == best["checkpoint"]:
+    k = cfg.validation.num_speculative_tokens
+    if prov and not force and prov.get("checkpoint") == best["checkpoint"] \
+            and prov.get("vllm_usage", {}).get("num_speculative_tokens") == k:
         local = out if storage.is_local(paths.fs) else None
         return ExportSummary(paths.uri + "/export", local, prov.get("step"), prov.get("files", []), skipped=True)
     spec = VerifierSpec.from_config(cfg)
@@ -88,7 +90,6 @@ def export(cfg, force: bool = False) -> ExportSummary:
     draft.load_state_dict(state, strict=False)
     # vLLM takes k from the first proposal method when the serving config gives none; propose the k that
     # validate measures, which may exceed the TTT steps trained (vLLM runs the draft on its own output)
-    k = cfg.validation.num_speculative_tokens
     draft.config.speculators_config.proposal_methods[0].speculative_tokens = k
     draft = draft.to(torch.bfloat16 if cfg.verifier.dtype == "bfloat16" else torch.float32)
     with tempfile.TemporaryDirectory() as tmp:

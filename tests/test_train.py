@@ -110,7 +110,7 @@ def test_export_loads_in_vllm_and_keeps_greedy_text(trained, ray_session, tiny_v
 
     from eagle3ray.serving import ServingEngine, acceptance
 
-    cfg, _, _, _ = trained
+    cfg, _, _, cfg_path = trained
     e = export(cfg)
     rep = check_draft(e.local_dir, tiny_verifier)
     assert rep.ok, rep.render()
@@ -120,6 +120,14 @@ def test_export_loads_in_vllm_and_keeps_greedy_text(trained, ray_session, tiny_v
         assert json.load(f)["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     with open(os.path.join(e.local_dir, "provenance.json")) as f:
         assert json.load(f)["vllm_usage"]["num_speculative_tokens"] == 3
+    assert export(cfg).skipped  # same checkpoint, same k
+    from eagle3ray.config import load_config
+    e4 = export(load_config(cfg_path, ["validation.num_speculative_tokens=4"]))  # another k: exported again
+    assert not e4.skipped
+    with open(os.path.join(e4.local_dir, "config.json")) as f:
+        assert json.load(f)["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    e = export(cfg)  # back to the config's k for the tests below
+    assert not e.skipped
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_verifier)
