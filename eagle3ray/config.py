@@ -211,6 +211,9 @@ class TrainSection(_Strict):
         "position (prompt tokens too; the target is the verifier's own next-token distribution there as well, so "
         "this is more distillation signal at no extra compute). Held-out metrics always use assistant positions.")
     loss: str = Field("kl_div", description="speculators loss spec (name or JSON of name: weight).")
+    hidden_noise: float = Field(
+        0.0, ge=0, description="Training-only Gaussian noise on the auxiliary hidden states, as a fraction of "
+        "each layer's per-token RMS (EAGLE's feature-noise augmentation, Li et al. 2024; 0 = off).")
     loss_impl: Literal["eager", "fused"] = Field("eager", description="'fused' is a Triton kernel (GPU only).")
     attn_impl: Literal["sdpa", "eager", "simple_flex_attention"] = Field(
         "sdpa", description="Draft attention. FlexAttention has no backward on CPU; use it on GPUs.")

@@ -121,6 +121,23 @@ def row_to_sample(row: dict, all_positions: bool = False):
     })
 
 
+def add_hidden_noise(hidden_states, num_aux: int, scale: float):
+    """Feature-noise augmentation (EAGLE, Li et al. 2024): ``h + scale * rms(h) * N(0, 1)`` per auxiliary layer.
+
+    Args:
+        hidden_states: [..., num_aux * H] concatenated auxiliary hidden states (speculators' layout).
+        num_aux: number of auxiliary layers concatenated on the last axis.
+        scale: noise standard deviation as a fraction of each layer's per-token root-mean-square.
+
+    Returns a new tensor of the same shape and dtype (the input is not modified).
+    """
+    import torch
+
+    x = hidden_states.unflatten(-1, (num_aux, -1))  # shape: [..., num_aux, H]
+    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return (x + (scale * rms * torch.randn_like(x, dtype=torch.float32)).to(x.dtype)).flatten(-2)
+
+
 def pack_rows(rows, max_tokens: int):
     """Group (sample_id, sample) pairs greedily into lists of at most ``max_tokens`` shifted tokens."""
     cur, n = [], 0
@@ -237,6 +254,8 @@ def train_loop_per_worker(config: dict) -> None:  # noqa: C901 - one readable lo
 
     def forward(batch, train: bool):
         b = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if train and tc["hidden_noise"] > 0:
+            b["hidden_states"] = add_hidden_noise(b["hidden_states"], len(config["aux_layer_ids"]), tc["hidden_noise"])
         with autocast:
             _, loss, metrics = (model if train else core)(**b, ttt_steps=tc["ttt_steps"],
                                                           ttt_step_loss_decay=tc["ttt_step_loss_decay"],

@@ -109,3 +109,21 @@ def test_code_fingerprint_tells_another_checkout_apart(tmp_path):
     with pytest.raises(RuntimeError, match=r"Ray Train worker 1 imports eagle3ray from .*differs from the driver.s"
                        r" .*edited after the job started"):
         other.check_code_fingerprint(here, "Ray Train worker 1")
+
+
+def test_hidden_noise_is_relative_to_each_auxiliary_layer():
+    import torch
+
+    from eagle3ray.train import add_hidden_noise
+
+    torch.manual_seed(0)
+    scales = torch.tensor([0.5, 4.0, 40.0])  # layers of very different magnitude, as in a real verifier
+    h = (torch.randn(1, 2000, 3, 64) * scales[:, None]).flatten(-2)  # shape: [1, T, 3H]
+    out = add_hidden_noise(h, 3, 0.1)
+    assert out.shape == h.shape and out.dtype == h.dtype
+    noise = (out - h).unflatten(-1, (3, 64))
+    rms = h.unflatten(-1, (3, 64)).pow(2).mean(-1).sqrt()  # shape: [1, T, 3]
+    ratio = noise.pow(2).mean(-1).sqrt() / rms  # per token and layer: ~0.1 whatever the layer's scale
+    assert torch.allclose(ratio.mean(dim=(0, 1)), torch.full((3,), 0.1), rtol=0.05)
+    assert not torch.equal(out, h)
+    assert torch.equal(add_hidden_noise(h, 3, 0.0), h)
