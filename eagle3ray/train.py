@@ -424,6 +424,15 @@ def _supersede_if_settings_changed(paths: storage.RunPaths, ck: str, settings: d
     """
     path = f"{ck}/settings.json"
     old = storage.read_json(paths.fs, path)
+    if old is not None:
+        # a setting that a newer eagle3ray added, at its default, trains what the old checkpoints trained
+        from .config import TrainSection
+
+        defaults = {f"train.{k}": v for k, v in TrainSection().model_dump(mode="json").items()}
+        old = {**{k: defaults[k] for k in settings if k not in old and k in defaults
+                  and settings[k] == defaults[k]}, **old}
+        if old == settings:
+            storage.write_json_atomic(paths.fs, path, settings)
     if old is not None and old != settings:
         changed = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(old) | set(settings))
                    if old.get(k) != settings.get(k)]

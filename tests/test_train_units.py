@@ -84,6 +84,27 @@ def test_changed_train_settings_supersede_old_checkpoints(tmp_path, caplog):
     assert paths.fs.exists(f"{ck}.superseded-2/settings.json")
 
 
+def test_a_setting_added_later_at_its_default_keeps_old_checkpoints(tmp_path):
+    from eagle3ray import storage
+    from eagle3ray.config import load_config
+    from eagle3ray.train import _supersede_if_settings_changed, train_settings
+
+    cfg = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r"])
+    paths = storage.run_paths(cfg)
+    ck = paths.sub("checkpoints")
+    old = train_settings(cfg, paths)
+    del old["train.hidden_noise"]  # checkpoints written before the option existed
+    storage.write_json_atomic(paths.fs, f"{ck}/settings.json", old)
+    storage.write_json_atomic(paths.fs, f"{ck}/complete.json", {"max_steps": 120})
+    _supersede_if_settings_changed(paths, ck, train_settings(cfg, paths))
+    assert paths.fs.exists(f"{ck}/complete.json")
+    assert storage.read_json(paths.fs, f"{ck}/settings.json") == train_settings(cfg, paths)
+    # the same option set to something else is a change
+    noisy = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r", "train.hidden_noise=0.1"])
+    _supersede_if_settings_changed(paths, ck, train_settings(noisy, paths))
+    assert paths.fs.exists(f"{ck}.superseded-1/complete.json")
+
+
 def test_code_fingerprint_tells_another_checkout_apart(tmp_path):
     import importlib.util
     import shutil
