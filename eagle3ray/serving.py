@@ -21,9 +21,9 @@ def cpu_engine_options(device: str, tensor_parallel_size: int) -> dict:
     """vLLM ``LLM(...)`` options that run a generation engine's core and its one worker in this process (CPU, TP 1).
 
     vLLM V1 otherwise starts an engine-core process and a worker process that poll each other; on a
-    2-core machine they compete with the model for the cores. Measured here (SmolLM2-135M fp32, 40
-    prompts x 64 tokens, one run each way twice): ``LLM()`` 5.0-6.1 s instead of 22-23.5 s, generation
-    6.8-7.6 s instead of 10.9-12.2 s. Used for validation's engines only: the extraction engine
+    2-core machine they compete with the model for the cores. ``benchmarks/engine_startup.py`` (SmolLM2-135M
+    fp32, 40 prompts x 64 tokens, medians of 2): ``LLM()`` 4.4 s instead of 20.6 s, generation 6.4 s
+    instead of 9.9 s (README "Measured"). Used for validation's engines only: the extraction engine
     (``extract_hidden_states`` with its KV connector) hung on its first request in-process, so the
     verifier service keeps vLLM's processes; so do GPUs and tensor parallelism (they overlap
     scheduling with the device). Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in this process unless the

@@ -429,9 +429,9 @@ def _supersede_if_settings_changed(paths: storage.RunPaths, ck: str, settings: d
         from .config import TrainSection
 
         defaults = {f"train.{k}": v for k, v in TrainSection().model_dump(mode="json").items()}
-        old = {**{k: defaults[k] for k in settings if k not in old and k in defaults
-                  and settings[k] == defaults[k]}, **old}
-        if old == settings:
+        added = {k: defaults[k] for k in settings if k not in old and k in defaults and settings[k] == defaults[k]}
+        old = {**added, **old}
+        if added and old == settings:
             storage.write_json_atomic(paths.fs, path, settings)
     if old is not None and old != settings:
         changed = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(old) | set(settings))
