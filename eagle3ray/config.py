@@ -107,6 +107,11 @@ class VerifierSection(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kv_cache_gib: float = Field(2.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE in GiB.")
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per verifier replica.")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="CPU only: torch threads of each vLLM engine run in-process (TP 1). Default: every "
+        "core the engine's process may run on, as vLLM's own CPU worker binds; Ray would otherwise leave an actor "
+        "with num_cpus threads (1 here), which decoded at half the speed on 2 cores.",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Sequences in flight per engine (generation).")
     ray_resources: dict[str, float] = Field(
         default_factory=dict, description="Extra Ray resources per replica (e.g. {'accelerator_type:H200': 0.001} "
@@ -153,6 +158,12 @@ class DataSection(_Strict):
         "cost prefill and training compute but carry no loss tokens. Rejected ones do not count to max_samples.",
     )
     regenerate: bool = Field(False, description="Replace assistant answers with the verifier's own (self-distillation).")
+    regenerate_engine: Literal["service", "dedicated"] = Field(
+        "service", description="Regeneration engine. 'service': the verifier service's engine, loaded once and "
+        "reused by extract (its extract_hidden_states method adds a second token to every decode step). "
+        "'dedicated': a plain vLLM engine in its own Ray actor, released before extraction; one more model load, "
+        "but decoding took 0.6x the time on CPU (benchmarks/regenerate.py). Same greedy answers either way.",
+    )
     max_new_tokens: int = Field(192, ge=1, description="Regeneration: new tokens per answer.")
     temperature: float = Field(0.0, ge=0, description="Regeneration sampling temperature (0 = greedy).")
     tokens_per_sample_estimate: int = Field(

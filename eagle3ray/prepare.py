@@ -14,6 +14,7 @@ matches is not redone.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -52,7 +53,7 @@ class PrepareSummary:
 
 
 def _config_hash(cfg, spec_identity: dict) -> str:
-    blob = cfg.data.model_dump_json(exclude={"tokens_per_sample_estimate"}) + repr(sorted(spec_identity.items()))
+    blob = cfg.data.model_dump_json(exclude={"tokens_per_sample_estimate", "regenerate_engine"}) + repr(sorted(spec_identity.items()))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -117,11 +118,53 @@ def _cut_turns(messages: list[dict], max_turns: int) -> list[dict]:
     return out
 
 
-def regenerate_answers(cfg, records: list[Record], tokenizer, handle, rejected: RejectCounter) -> list[Record]:
+@contextlib.contextmanager
+def answer_engine(cfg, spec):
+    """The engine that regenerates answers (``data.regenerate_engine``), as ``generate(prompts, seed) -> texts``.
+
+    ``service``: the verifier service (started or reused; it stays up for extraction). ``dedicated``: a
+    plain vLLM engine (:class:`eagle3ray.serving.ServingEngine`, in-process on CPU with TP 1) in a Ray
+    actor with the verifier's resources, killed on exit so that extraction has the cores or GPUs. The
+    stand-in engine (``verifier.engine: stand_in``) always goes through the service.
+
+    Yields a callable: prompts ([[token ids]]) and a sampling seed -> one answer text per prompt
+    (vLLM's detokenized output, special tokens skipped).
+    """
+    import ray
+
+    v, d = cfg.verifier, cfg.data
+    if d.regenerate_engine == "service" or v.engine == "stand_in":
+        from .service import start_for_config
+
+        handle = start_for_config(cfg)
+        yield lambda prompts, seed: [o["text"] for o in handle.generate.remote(
+            prompts, d.max_new_tokens, d.temperature, seed).result()]
+        return
+    from .serving import ServingEngine
+
+    opts = {"num_cpus": v.num_cpus, **({"num_gpus": v.num_gpus} if v.num_gpus else {})}
+    t0 = time.time()
+    eng = ray.remote(**opts)(ServingEngine).remote(
+        spec.model_path, draft_dir=None, dtype=v.dtype, max_model_len=v.max_model_len,
+        enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs, seed=v.seed,
+        cpu_kv_cache_gib=v.cpu_kv_cache_gib, gpu_memory_utilization=v.gpu_memory_utilization,
+        tensor_parallel_size=v.tensor_parallel_size, device=v.device, cpu_threads=v.cpu_threads)
+    try:
+        ray.get(eng.__ray_ready__.remote())
+        log.info("dedicated regeneration engine loaded in %.1f s", time.time() - t0)
+        yield lambda prompts, seed: ray.get(eng.generate.remote(prompts, d.max_new_tokens, d.temperature,
+                                                                 seed=seed))["texts"]
+    finally:
+        ray.kill(eng)
+
+
+def regenerate_answers(cfg, records: list[Record], tokenizer, generate, rejected: RejectCounter) -> list[Record]:
     """Replace assistant answers with the verifier's own, round by round (turn k of every sample at once).
 
-    A conversation whose next prompt would not leave ``max_new_tokens`` room in ``max_model_len``
-    stops at the previous round; one that cannot fit even its first prompt is rejected (``too_long``).
+    ``generate(prompts, seed) -> texts`` is :func:`answer_engine`'s callable; prompts go to it
+    ``verifier.max_num_seqs`` at a time. A conversation whose next prompt would not leave
+    ``max_new_tokens`` room in ``max_model_len`` stops at the previous round; one that cannot fit even
+    its first prompt is rejected (``too_long``).
     """
     limit = cfg.verifier.max_model_len - cfg.data.max_new_tokens
     convs = {r.sample_id: [m for m in r.messages if m["role"] == "system"] for r in records}
@@ -147,10 +190,9 @@ def regenerate_answers(cfg, records: list[Record], tokenizer, handle, rejected: 
             break
         bar = tqdm(total=len(prompts), desc=f"regenerate round {k + 1}/{rounds}", unit="answer")
         for i in range(0, len(prompts), chunk):
-            outs = handle.generate.remote(prompts[i:i + chunk], cfg.data.max_new_tokens, cfg.data.temperature,
-                                          cfg.data.seed + k).result()
-            for sid, out in zip(owners[i:i + chunk], outs):
-                convs[sid] = convs[sid] + [users[sid][k], {"role": "assistant", "content": out["text"]}]
+            outs = generate(prompts[i:i + chunk], cfg.data.seed + k)
+            for sid, text in zip(owners[i:i + chunk], outs):
+                convs[sid] = convs[sid] + [users[sid][k], {"role": "assistant", "content": text}]
             bar.update(len(outs))
         bar.close()
         active = owners
@@ -188,11 +230,11 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
     rejected = RejectCounter()
     records = collect_records(cfg, rejected, tokenizer)
     if cfg.data.regenerate:
-        from .service import ensure_ray, start_for_config
+        from .service import ensure_ray
 
         ensure_ray(cfg)
-        handle = start_for_config(cfg)
-        records = regenerate_answers(cfg, records, tokenizer, handle, rejected)
+        with answer_engine(cfg, spec) as generate:
+            records = regenerate_answers(cfg, records, tokenizer, generate, rejected)
     rows = {k: [] for k in CONV_SCHEMA.names}
     for rec in tqdm(records, desc="tokenize", unit="conv", disable=len(records) < 200):
         try:

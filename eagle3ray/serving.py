@@ -17,17 +17,22 @@ import os
 import time
 
 
-def cpu_engine_options(device: str, tensor_parallel_size: int) -> dict:
+def cpu_engine_options(device: str, tensor_parallel_size: int, cpu_threads: int | None = None) -> dict:
     """vLLM ``LLM(...)`` options that run a generation engine's core and its one worker in this process (CPU, TP 1).
 
     vLLM V1 otherwise starts an engine-core process and a worker process that poll each other; on a
     2-core machine they compete with the model for the cores. ``benchmarks/engine_startup.py`` (SmolLM2-135M
     fp32, 40 prompts x 64 tokens, medians of 2): ``LLM()`` 4.4 s instead of 20.6 s, generation 6.4 s
-    instead of 9.9 s (README "Measured"). Used for validation's engines only: the extraction engine
-    (``extract_hidden_states`` with its KV connector) hung on its first request in-process, so the
-    verifier service keeps vLLM's processes; so do GPUs and tensor parallelism (they overlap
-    scheduling with the device). Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in this process unless the
-    user set it; call before ``LLM()`` is built.
+    instead of 9.9 s (README "Measured"). Used by validation's engines, the dedicated regeneration
+    engine and the verifier's extraction engine (which needs
+    :meth:`eagle3ray.verifier.VerifierEngine._write_pending_states` in-process). GPUs and tensor
+    parallelism keep vLLM's processes (they overlap scheduling with the device).
+
+    Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in this process unless the user set it, and torch's thread
+    count to ``cpu_threads`` (default: every core in this process's affinity, as vLLM's CPU worker
+    process binds by default). Ray starts an actor with ``OMP_NUM_THREADS`` = its ``num_cpus`` (1 here):
+    in such an actor one thread decoded 64 x 16 tokens in 23.3 s, two in 11.7 s. Call before ``LLM()``
+    is built.
 
     Returns:
         extra keyword arguments for ``vllm.LLM`` (empty when nothing changes).
@@ -37,7 +42,33 @@ def cpu_engine_options(device: str, tensor_parallel_size: int) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
         return {}
+    import torch
+
+    torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
     return {"distributed_executor_backend": "uni"}
+
+
+def engine_threads(engine_options: dict) -> int | None:
+    """The torch thread count an in-process CPU engine was built with (None for vLLM's processes)."""
+    if engine_options.get("distributed_executor_backend") != "uni":
+        return None
+    import torch
+
+    return torch.get_num_threads()
+
+
+def pin_threads(n: int | None) -> None:
+    """Set torch's thread count in the *calling* thread before an in-process engine runs.
+
+    OpenMP's thread count is per calling thread, and Ray Serve runs a replica's sync methods in a
+    thread pool, not the thread that built the engine: vLLM's CPU attention then fails its check
+    that the metadata's thread count equals the running one (``1 vs. 2``). vLLM's CPU worker replaces
+    ``torch.set_num_threads`` by a no-op once it has bound its threads, so this calls torch's own setter.
+    """
+    if n:
+        import torch
+
+        torch._C.set_num_threads(n)
 
 
 class ServingEngine:
@@ -52,7 +83,8 @@ class ServingEngine:
     def __init__(self, model_path: str, draft_dir: str | None = None, num_speculative_tokens: int = 3,
                  dtype: str = "float32", max_model_len: int = 2048, enforce_eager: bool = True,
                  max_num_seqs: int = 64, seed: int = 0, cpu_kv_cache_gib: float = 2.0,
-                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1, device: str = "cpu"):
+                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1, device: str = "cpu",
+                 cpu_threads: int | None = None):
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, cpu_kv_cache_gib))))
         from vllm import LLM
@@ -65,17 +97,21 @@ class ServingEngine:
         if draft_dir:
             kwargs["speculative_config"] = {"method": "eagle3", "model": draft_dir,
                                             "num_speculative_tokens": num_speculative_tokens}
-        kwargs.update(cpu_engine_options(device, tensor_parallel_size))
+        opts = cpu_engine_options(device, tensor_parallel_size, cpu_threads)
+        kwargs.update(opts)
+        self._threads = engine_threads(opts)
         t0 = time.time()
         self.llm = LLM(**kwargs)
         self.load_seconds = time.time() - t0
         self.k = num_speculative_tokens if draft_dir else 0
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0) -> dict:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0) -> dict:
         """Decode; returns {"outputs": [[token ids]], "texts": [...], "seconds", "output_tokens"}."""
         from vllm import SamplingParams
 
-        sp = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=0)
+        sp = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        pin_threads(self._threads)
         t0 = time.time()
         outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], sp, use_tqdm=False)
         dt = time.time() - t0

@@ -142,7 +142,7 @@ def validate(cfg, force: bool = False) -> dict:
     common = dict(dtype=v.dtype, max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
                   max_num_seqs=vc.max_num_seqs, cpu_kv_cache_gib=v.cpu_kv_cache_gib, seed=v.seed,
                   gpu_memory_utilization=v.gpu_memory_utilization, tensor_parallel_size=v.tensor_parallel_size,
-                  device=v.device)
+                  device=v.device, cpu_threads=v.cpu_threads)
     t0 = time.time()
     eng = Engine.options(name=None).remote(spec.model_path, draft_dir=draft_dir,
                                            num_speculative_tokens=vc.num_speculative_tokens, **common)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .serving import cpu_engine_options, engine_threads, pin_threads
+
 log = logging.getLogger(__name__)
 
 _STORAGE_DTYPES = {"bfloat16", "float16", "float32"}
@@ -85,6 +87,7 @@ class VerifierSpec:
     enforce_eager: bool = True
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 2.0
+    cpu_threads: int | None = None
     seed: int = 0
     tmp_dir: str = "/dev/shm"
     engine: str = "vllm"  # "stand_in": StandInEngine (no model; rehearsals and tests)
@@ -106,7 +109,8 @@ class VerifierSpec:
             tensor_parallel_size=v.tensor_parallel_size, max_model_len=v.max_model_len,
             max_num_batched_tokens=cfg.extract.max_tokens_per_batch, max_num_seqs=v.max_num_seqs,
             enforce_eager=v.enforce_eager, gpu_memory_utilization=v.gpu_memory_utilization,
-            cpu_kv_cache_gib=v.cpu_kv_cache_gib, seed=v.seed, tmp_dir=cfg.extract.tmp_dir, engine=v.engine,
+            cpu_kv_cache_gib=v.cpu_kv_cache_gib, cpu_threads=v.cpu_threads, seed=v.seed,
+            tmp_dir=cfg.extract.tmp_dir, engine=v.engine,
             stand_in_tokens_per_s=v.stand_in_tokens_per_s, trust_remote_code=v.trust_remote_code,
             model_identity=ident,
         )
@@ -261,6 +265,9 @@ class VerifierEngine(_EngineCounters):
             kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
             if s.tensor_parallel_size > 1:
                 kwargs["distributed_executor_backend"] = "ray"
+        opts = cpu_engine_options(s.device, s.tensor_parallel_size, s.cpu_threads)
+        kwargs.update(opts)
+        self._threads = engine_threads(opts)
         self.llm = LLM(**kwargs)
         self._start_counters(time.time() - t0)
         log.info("verifier loaded in %.1f s: %s layers %s", self.load_seconds, s.model_path, s.layer_ids)
@@ -292,7 +299,9 @@ class VerifierEngine(_EngineCounters):
             if len(s["input_ids"]) > self.spec.max_model_len:
                 raise VerifierError(f"sample {s['sample_id']}: {len(s['input_ids'])} tokens > max_model_len")
         prompts = [{"prompt_token_ids": list(map(int, s["input_ids"]))} for s in samples]
+        pin_threads(self._threads)
         outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        self._write_pending_states([(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs])
         n_layers = len(self.spec.layer_ids)
         results = []
         for s, out in zip(samples, outs):
@@ -314,6 +323,29 @@ class VerifierEngine(_EngineCounters):
         self._count_extract(samples)
         return results
 
+    def _write_pending_states(self, paths: list[str | None]) -> None:
+        """Step an in-process engine until every finished request's states file is written.
+
+        vLLM's hidden-states connector writes a finished request's states on the engine step *after*
+        the one that finished it (``get_finished`` of the next ``execute_model``). vLLM's engine-core
+        process keeps stepping while such saves are pending (``Scheduler.has_requests``), but an
+        in-process engine is stepped by ``LLM.generate`` only while requests are unfinished, so without
+        this the reader would wait forever on the file's lock, held by this same process.
+
+        Raises:
+            VerifierError: the files did not appear within a few idle steps.
+        """
+        from vllm.v1.engine.core_client import InprocClient
+
+        if not isinstance(self.llm.llm_engine.engine_core, InprocClient):
+            return  # vLLM's engine-core process writes them; readers wait on the lock files
+        for _ in range(8):
+            if all(p is None or os.path.exists(p) for p in paths):
+                return
+            self.llm.llm_engine.step()
+        missing = [p for p in paths if p is not None and not os.path.exists(p)]
+        raise VerifierError(f"{len(missing)} hidden-state files were not written, e.g. {missing[0]}")
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  seed: int | None = None) -> list[dict]:
         """Decode answers for token-id prompts; returns [{"token_ids": list[int], "text": str, "finish_reason"}]."""
@@ -323,6 +355,7 @@ class VerifierEngine(_EngineCounters):
             max_tokens=max_new_tokens, temperature=temperature, seed=seed,
             extra_args={"kv_transfer_params": {"skip_hidden_states": True}},
         )
+        pin_threads(self._threads)
         outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], sp, use_tqdm=False)
         self._count_generate(prompts)
         return [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,

@@ -225,3 +225,23 @@ def test_plan_units_packs_by_tokens():
 def test_mtbench_is_shipped():
     qs = read_mtbench()
     assert len(qs) == 80 and all(len(q["turns"]) == 2 for q in qs)
+
+
+def test_regenerated_answers_are_the_same_on_the_service_and_a_dedicated_engine(ray_session, tmp_path, make_cfg):
+    from eagle3ray.prepare import read_conversations
+
+    train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(12, words=12, seed=3))
+    answers = {}
+    for engine in ("service", "dedicated", "none"):
+        cfg = make_cfg([train], f"data.regenerate={engine != 'none'}", "data.max_new_tokens=12",
+                       f"run.name=regen-{engine}", f"data.regenerate_engine={'service' if engine == 'none' else engine}")
+        s = prepare(cfg)
+        assert s.regenerated == (engine != "none") and s.samples == 12
+        _, tab = read_conversations(storage.run_paths(cfg))
+        answers[engine] = {sid: ids[mask.index(1):] for sid, ids, mask in zip(
+            tab.column("sample_id").to_pylist(), tab.column("input_ids").to_pylist(),
+            tab.column("loss_mask").to_pylist())}
+    assert answers["service"] == answers["dedicated"]
+    # the written answers are the verifier's (<= 12 new tokens + the end-of-turn tokens), not the file's
+    assert all(len(a) <= 12 + 3 for a in answers["service"].values())
+    assert all(answers["service"][k] != answers["none"][k] for k in answers["none"])
