@@ -2,7 +2,9 @@
 
 Each mode runs in a fresh subprocess (vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` once per process):
 ``LLM()`` construction time and one greedy generation (40 prompts x 64 new tokens) on the config's
-verifier, modes interleaved, ``--rounds`` times; prints medians and the in-process/default ratio.
+verifier, modes interleaved, ``--rounds`` times; prints medians and the ratios to the default.
+``in-process-1-thread`` is what a Ray actor with ``num_cpus=1`` got before ``cpu_engine_options``
+pinned the thread count: Ray sets ``OMP_NUM_THREADS`` to the actor's CPUs.
 
     .venv/bin/python benchmarks/engine_startup.py --rounds 2
 """
@@ -24,6 +26,8 @@ def one(mode: str, model: str) -> dict:
     kw = dict(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=40, seed=0)
     if mode == "in-process":
         kw.update(cpu_engine_options("cpu", 1))
+    elif mode == "in-process-1-thread":
+        kw.update(cpu_engine_options("cpu", 1, cpu_threads=1))
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     from vllm import LLM, SamplingParams
@@ -50,20 +54,22 @@ def main() -> None:
     if a.child:
         print("RESULT " + json.dumps(one(a.child, model)), flush=True)
         return
-    res: dict[str, list[dict]] = {"default": [], "in-process": []}
+    res: dict[str, list[dict]] = {"default": [], "in-process": [], "in-process-1-thread": []}
     for r in range(a.rounds):
         for mode in res:
             cmd = [sys.executable, __file__, "--child", mode] + (["-c", a.config] if a.config else [])
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+            env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if mode.endswith("1-thread") else {})}
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env).stdout
             m = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
             res[mode].append(m)
-            print(f"round {r} {mode:10s}: LLM() {m['llm_s']:.1f} s, generate 40 x 64 {m['generate_s']:.1f} s",
+            print(f"round {r} {mode:19s}: LLM() {m['llm_s']:.1f} s, generate 40 x 64 {m['generate_s']:.1f} s",
                   flush=True)
     med = {mode: {k: statistics.median(x[k] for x in v) for k in ("llm_s", "generate_s")} for mode, v in res.items()}
     for mode, m in med.items():
-        print(f"median {mode:10s}: LLM() {m['llm_s']:.1f} s, generate {m['generate_s']:.1f} s")
-    print(f"ratio in-process/default: LLM() {med['in-process']['llm_s'] / med['default']['llm_s']:.2f}, "
-          f"generate {med['in-process']['generate_s'] / med['default']['generate_s']:.2f}")
+        print(f"median {mode:19s}: LLM() {m['llm_s']:.1f} s, generate {m['generate_s']:.1f} s")
+    for mode in ("in-process", "in-process-1-thread"):
+        print(f"ratio {mode}/default: LLM() {med[mode]['llm_s'] / med['default']['llm_s']:.2f}, "
+              f"generate {med[mode]['generate_s'] / med['default']['generate_s']:.2f}")
 
 
 if __name__ == "__main__":
