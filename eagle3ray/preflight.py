@@ -498,6 +498,10 @@ def preflight(cfg, config_name: str = "", nodes: list[dict] | None = None) -> Pr
             f"GiB per GPU (weights {mem.weights_gib:.1f} + KV {mem.kv_cache_gib:.1f} + activations "
             f"{mem.activations_gib:.1f} + overhead {mem.overhead_gib:.1f}) > budget {mem.budget_gib:.1f} GiB "
             f"(verifier.gpu_memory_gib {v.gpu_memory_gib} x gpu_memory_utilization {v.gpu_memory_utilization}); {hint}")
+    if cfg.data.regenerate and cfg.data.regenerate_engine == "dedicated" and v.device == "cuda":
+        rep.notes.append("data.regenerate_engine dedicated on GPUs: prepare loads a second copy of the verifier "
+                         f"on {v.num_gpus} GPU(s) and needs them free of a running verifier service ('service' "
+                         "decodes on the service's engine instead)")
     _storage_estimate(cfg, t, len(layer_ids), rep, online=nodes is not None)
     req = required_resources(cfg)
     rep.resources = {"required": req}

@@ -182,3 +182,10 @@ def test_trained_draft_matches_the_preflight_shapes(tiny_verifier):
     assert got["model.layers.0.self_attn.q_proj.weight"] == [4 * 64, 2 * 128]
     for k, shape in want.items():
         assert got[k] == shape, k
+
+
+def test_dedicated_regeneration_on_gpus_is_noted():
+    noted = [n for n in preflight(_cfg("qwen3-8b", "data.regenerate_engine=dedicated")).notes
+             if n.startswith("data.regenerate_engine dedicated")]
+    assert len(noted) == 1 and "second copy of the verifier on 8 GPU(s)" in noted[0]
+    assert not [n for n in preflight(_cfg("qwen3-8b")).notes if n.startswith("data.regenerate_engine")]
