@@ -8,7 +8,7 @@ as the vocab stage does. Timed after 2 warm-up steps; prints tokens/s per varian
 first variant, side by side in one run.
 
     .venv/bin/python benchmarks/train_step_cost.py -c configs/smollm2-135m-cpu.yaml \\
-        --vocab 8192,4096 --tokens 1024,512 --ttt 3,2
+        --vocab 8192,4096 --tokens 1024,512 --ttt 3,2 --autocast off,bfloat16
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--ttt", default="3", help="TTT steps (comma-separated)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per variant (after 2 warm-up steps)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--autocast", default="off", help="CPU autocast dtypes to compare: off,bfloat16")
     args = ap.parse_args()
 
     import pyarrow.parquet as pq
@@ -59,7 +60,9 @@ def main() -> None:
     print(f"{len(samples)} samples from {paths.uri}/hidden_states, torch threads {args.threads}", flush=True)
 
     results = []
-    for vd, T, ttt in itertools.product(*(map(int, a.split(",")) for a in (args.vocab, args.tokens, args.ttt))):
+    grid = itertools.product(*(map(int, a.split(",")) for a in (args.vocab, args.tokens, args.ttt)),
+                             args.autocast.split(","))
+    for vd, T, ttt, ac in grid:
         tc = cfg.train.model_dump()
         tc["ttt_steps"] = ttt
         d2t, t2d = build_vocab_mappings_from_distribution(counts, vd, len(freq))
@@ -74,7 +77,8 @@ def main() -> None:
                 break
             t = time.perf_counter()
             b = {k: v for k, v in collate([s for _, s in group]).items() if isinstance(v, torch.Tensor)}
-            _, loss, _ = draft(**b, ttt_steps=ttt, loss_config=loss_cfg)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac != "off"):
+                _, loss, _ = draft(**b, ttt_steps=ttt, loss_config=loss_cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -82,8 +86,8 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
                 toks.append(int((b["document_ids"] >= 0).sum()))
         tps = sum(toks) / sum(times)
-        results.append(((vd, T, ttt), tps))
-        print(f"draft vocab {vd:6d}, {T:5d} tokens/step, TTT {ttt}: {tps:6.0f} tok/s "
+        results.append(((vd, T, ttt, ac), tps))
+        print(f"draft vocab {vd:6d}, {T:5d} tokens/step, TTT {ttt}, autocast {ac}: {tps:6.0f} tok/s "
               f"(median step {statistics.median(times):.2f} s)", flush=True)
     base = results[0][1]
     print("\nratio to the first variant: " + ", ".join(f"{k}: {v / base:.2f}" for k, v in results))

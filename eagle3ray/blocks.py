@@ -116,6 +116,12 @@ def check_compatible(existing: dict, fresh: dict, where: str) -> None:
         if a != b:
             raise ManifestMismatch(f"{where}: field 'verifier.{key}' is {a!r} in the stored blocks but {b!r} for this "
                                    "config; use another run.name or remove the folder")
+    # The engine's compute dtype (verifier.dtype 'auto' may resolve differently on another machine);
+    # manifests written before it was recorded are not checked for it.
+    a, b = existing.get("verifier", {}).get("compute_dtype"), fresh.get("verifier", {}).get("compute_dtype")
+    if a is not None and a != b:
+        raise ManifestMismatch(f"{where}: these blocks were extracted with verifier.dtype {a!r} but this config "
+                               f"resolves it to {b!r}; set verifier.dtype={a} to resume, or use another run.name")
     a, b = existing.get("conversations", {}).get("sha256"), fresh.get("conversations", {}).get("sha256")
     if a != b:
         raise ManifestMismatch(f"{where}: the conversations changed since these blocks were extracted "

@@ -242,7 +242,8 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
     spec = VerifierSpec.from_config(cfg)
     hs_root = paths.hidden_states
     man_path = f"{hs_root}/manifest.json"
-    fresh = blocks.new_manifest(spec.model_identity, spec.layer_ids, cfg.extract.storage_dtype,
+    fresh = blocks.new_manifest({**spec.model_identity, "compute_dtype": spec.dtype}, spec.layer_ids,
+                                cfg.extract.storage_dtype,
                                 {"sha256": conv_man["sha256"], "samples": conv_man["counts"]["samples"]})
     manifest = storage.read_json(paths.fs, man_path)
     summary = ExtractSummary(path=paths.uri + "/hidden_states")

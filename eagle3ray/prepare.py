@@ -54,6 +54,8 @@ class PrepareSummary:
 
 def _config_hash(cfg, spec_identity: dict) -> str:
     blob = cfg.data.model_dump_json(exclude={"tokens_per_sample_estimate", "regenerate_engine"}) + repr(sorted(spec_identity.items()))
+    if cfg.data.regenerate:  # greedy answers depend on the engine's compute dtype
+        blob += f"|dtype={cfg.verifier.dtype}"
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

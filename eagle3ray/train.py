@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import blocks, check_code_fingerprint, code_fingerprint, storage
+from .config import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,9 @@ def train_loop_per_worker(config: dict) -> None:  # noqa: C901 - one readable lo
     H = config["hidden_size"]
     collate = CollateFn(tc["max_tokens_per_batch"], H, len(config["aux_layer_ids"]),
                         dtype=torch.float32)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else torch.autocast("cpu", enabled=False)
+    use_bf16 = tc["autocast"] == "bfloat16" or (tc["autocast"] == "auto"
+                                                and resolve_dtype("auto", device.type) == "bfloat16")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
     def all_min(flag: int) -> int:
         if world == 1:

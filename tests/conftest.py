@@ -74,7 +74,8 @@ def make_cfg(tmp_path, tiny_verifier):
 
         cfg_path.write_text(yaml.safe_dump({
             "run": {"name": "t", "storage": storage or f"file://{tmp_path}/runs"},
-            "verifier": {"model": tiny_verifier, "aux_layer_ids": TINY_AUX, "max_model_len": 512,
+            # fp32: tests compare engine states with transformers' fp32 forward on any CPU
+            "verifier": {"model": tiny_verifier, "aux_layer_ids": TINY_AUX, "max_model_len": 512, "dtype": "float32",
                          "cpu_kv_cache_gib": 1, "num_cpus": 0.5},
             "data": {"train": [{"kind": "chat", "path": str(p)} for p in train_files],
                      "eval": [{"kind": "mtbench"}]},

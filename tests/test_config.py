@@ -36,6 +36,24 @@ def test_cross_field_rules():
     assert cfg.verifier.num_gpus == 8
 
 
+def test_auto_dtype_follows_the_device_and_the_cpu(tmp_path, monkeypatch):
+    from eagle3ray import config
+
+    amx, avx2 = tmp_path / "amx", tmp_path / "avx2"
+    amx.write_text("processor : 0\nflags : fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    avx2.write_text("processor : 0\nflags : fpu avx2 fma\n")
+    assert config.cpu_bf16_is_fast(amx) and not config.cpu_bf16_is_fast(avx2)
+    assert not config.cpu_bf16_is_fast(tmp_path / "missing")
+    monkeypatch.setattr(config, "cpu_bf16_is_fast", lambda: False)
+    assert load_config(None, ["verifier.dtype=auto"]).verifier.dtype == "float32"
+    assert load_config(None, ["verifier.dtype=auto", "verifier.device=cuda"]).verifier.dtype == "bfloat16"
+    monkeypatch.setattr(config, "cpu_bf16_is_fast", lambda: True)
+    cfg = load_config(None, ["verifier.dtype=auto"])
+    assert cfg.verifier.dtype == "bfloat16"
+    assert "dtype: bfloat16" in cfg.to_yaml()  # the resolved config records what ran
+    assert load_config(None, ["verifier.dtype=float32"]).verifier.dtype == "float32"
+
+
 def test_missing_file_and_bad_override():
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent.yaml")

@@ -148,3 +148,18 @@ def test_hidden_noise_is_relative_to_each_auxiliary_layer():
     assert torch.allclose(ratio.mean(dim=(0, 1)), torch.full((3,), 0.1), rtol=0.05)
     assert not torch.equal(out, h)
     assert torch.equal(add_hidden_noise(h, 3, 0.0), h)
+
+
+def test_blocks_of_another_compute_dtype_are_not_resumed():
+    from eagle3ray.blocks import ManifestMismatch, check_compatible, new_manifest
+
+    conv = {"sha256": "abc", "samples": 3}
+    ident = {"config_hash": "c", "tokenizer_hash": "t", "hidden_size": 8, "num_hidden_layers": 4}
+    stored = new_manifest({**ident, "compute_dtype": "bfloat16"}, [1, 2, 3, 4], "bfloat16", conv)
+    check_compatible(stored, new_manifest({**ident, "compute_dtype": "bfloat16"}, [1, 2, 3, 4], "bfloat16", conv), "m")
+    with pytest.raises(ManifestMismatch, match="verifier.dtype 'bfloat16'.*'float32'"):
+        check_compatible(stored, new_manifest({**ident, "compute_dtype": "float32"}, [1, 2, 3, 4], "bfloat16", conv),
+                         "m")
+    # manifests from before the dtype was recorded still resume
+    old = new_manifest(ident, [1, 2, 3, 4], "bfloat16", conv)
+    check_compatible(old, new_manifest({**ident, "compute_dtype": "float32"}, [1, 2, 3, 4], "bfloat16", conv), "m")
