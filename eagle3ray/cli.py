@@ -230,14 +230,23 @@ def check(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = O
 
 
 def _print_validation(r: dict) -> None:
-    console.print(_kv_table("validate" + (" (already validated: skipped)" if r.get("skipped") else ""), [
+    rows = [
         ("eval set / prompts", f"{r['eval_set']} / {r['num_prompts']}"),
         ("num_speculative_tokens (k)", r["num_speculative_tokens"]),
+        ("compute dtype", r.get("dtype")),
         ("mean acceptance length", r["mean_acceptance_length"]),
         ("acceptance per position", ", ".join(f"{a:.3f}" for a in r["acceptance_per_position"])),
         ("output tokens/s with draft", r["tokens_per_s_spec"]), ("output tokens/s without", r["tokens_per_s_baseline"]),
-        ("speedup", r["speedup"]), ("greedy outputs identical", r["greedy_identical"]),
-        ("checkpoint step", r["checkpoint"]["step"])]))
+        ("speedup", r["speedup"])]
+    check = r.get("greedy_check")
+    if check:
+        rows += [(f"greedy outputs identical ({check['dtype']})", r["greedy_identical"]),
+                 (f"  acceptance length ({check['dtype']})", check["mean_acceptance_length"]),
+                 (f"  greedy identical ({r.get('dtype')}, batch numerics)", r["greedy_identical_at_dtype"])]
+    else:
+        rows.append(("greedy outputs identical", r["greedy_identical"]))
+    rows.append(("checkpoint step", r["checkpoint"]["step"]))
+    console.print(_kv_table("validate" + (" (already validated: skipped)" if r.get("skipped") else ""), rows))
 
 
 @app.command()
@@ -245,7 +254,8 @@ def validate(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] 
     """Serve the exported draft in vLLM (eagle3) and without it on held-out prompts; write reports/validate.json.
 
     Reports mean acceptance length, acceptance per position, tokens/s with and without the draft,
-    the speedup, and whether greedy outputs are identical. A PNG plot sits beside the JSON.
+    the speedup, and whether greedy outputs are identical (at validation.greedy_check_dtype when it is
+    set: bf16 on CPU is not batch-invariant). A PNG plot sits beside the JSON.
     """
     from .validate import validate as run_validate
 

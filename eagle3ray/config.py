@@ -295,6 +295,14 @@ class ValidateSection(_Strict):
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0, description="0 = greedy; greedy outputs must match without the draft.")
     max_num_seqs: int = Field(40, ge=1, description="Sequences in flight (same for both engines).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="Compute dtype of the engines that measure acceptance and speed; null = verifier.dtype.")
+    greedy_check_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="Compute dtype of the greedy-identity check; null = `dtype` (the same two engines). "
+        "Another dtype runs a second pair of engines at it. Greedy outputs with and without the draft can "
+        "only match where the verifier's numerics do not depend on how requests are batched: bf16 on CPU is "
+        "not (9 of 40 MT-Bench answers kept with 40 vs 7 sequences in flight and no draft at all), fp32 is "
+        "(benchmarks/greedy_numerics.py).")
 
 
 class Config(_Strict):

@@ -8,7 +8,12 @@ default) and the same number of sequences in flight.
 
 From vLLM's spec-decode counters: mean acceptance length (1 + accepted / drafts) and acceptance
 rate per position; from wall time: output tokens/s with and without the draft, and their ratio
-(``speedup``). Greedy outputs must be identical; differences are reported by prompt.
+(``speedup``). Greedy outputs must be identical; differences are reported by prompt. That check is
+only meaningful where the verifier's numerics do not depend on batching: bf16 on CPU is not (with no
+draft at all, 9 of 40 answers changed between 40 and 7 sequences in flight,
+``benchmarks/greedy_numerics.py``), so ``validation.greedy_check_dtype`` (float32 in the CPU config)
+runs a second pair of engines at that dtype for the check, after the pair that measures acceptance and
+speed at the run's dtype.
 
 Writes ``<run>/reports/validate.json`` (the fields DESIGN.md lists and more) and
 ``<run>/reports/validate.png`` (acceptance per position; training curves when present).
@@ -105,6 +110,7 @@ def validate(cfg, force: bool = False) -> dict:
     import ray
     from transformers import AutoTokenizer
 
+    from .config import resolve_dtype
     from .serving import ServingEngine, acceptance
     from .service import ensure_ray, refuse_if_pinned_differs
     from .train import read_metrics
@@ -139,20 +145,39 @@ def validate(cfg, force: bool = False) -> dict:
     if v.num_gpus:
         opts["num_gpus"] = v.num_gpus
     Engine = ray.remote(**opts)(ServingEngine)
-    common = dict(dtype=v.dtype, max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
+    dtype = resolve_dtype(vc.dtype or v.dtype, v.device)
+    check_dtype = resolve_dtype(vc.greedy_check_dtype or dtype, v.device)
+    common = dict(max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
                   max_num_seqs=vc.max_num_seqs, cpu_kv_cache_gib=v.cpu_kv_cache_gib, seed=v.seed,
                   gpu_memory_utilization=v.gpu_memory_utilization, tensor_parallel_size=v.tensor_parallel_size,
                   device=v.device, cpu_threads=v.cpu_threads)
+
+    def serve_pair(dt: str) -> tuple[dict, dict, dict, list[int]]:
+        """(with draft, acceptance, without draft, indices of differing greedy outputs) at compute dtype dt."""
+        eng = Engine.options(name=None).remote(spec.model_path, draft_dir=draft_dir, dtype=dt,
+                                               num_speculative_tokens=vc.num_speculative_tokens, **common)
+        with_draft = ray.get(eng.generate.remote(prompts, vc.max_new_tokens, vc.temperature))
+        acc = acceptance(ray.get(eng.spec_counters.remote()))
+        ray.kill(eng)
+        base = Engine.remote(spec.model_path, draft_dir=None, dtype=dt, **common)
+        without = ray.get(base.generate.remote(prompts, vc.max_new_tokens, vc.temperature))
+        ray.kill(base)
+        return with_draft, acc, without, [i for i, (a, b) in enumerate(zip(with_draft["outputs"],
+                                                                          without["outputs"])) if a != b]
+
     t0 = time.time()
-    eng = Engine.options(name=None).remote(spec.model_path, draft_dir=draft_dir,
-                                           num_speculative_tokens=vc.num_speculative_tokens, **common)
-    with_draft = ray.get(eng.generate.remote(prompts, vc.max_new_tokens, vc.temperature))
-    acc = acceptance(ray.get(eng.spec_counters.remote()))
-    ray.kill(eng)
-    base = Engine.remote(spec.model_path, draft_dir=None, **common)
-    without = ray.get(base.generate.remote(prompts, vc.max_new_tokens, vc.temperature))
-    ray.kill(base)
-    diffs = [i for i, (a, b) in enumerate(zip(with_draft["outputs"], without["outputs"])) if a != b]
+    with_draft, acc, without, diffs = serve_pair(dtype)
+    greedy_at_dtype = f"{len(prompts) - len(diffs)}/{len(prompts)}"
+    check = None
+    if check_dtype != dtype and vc.temperature == 0:
+        c_with, c_acc, c_without, diffs = serve_pair(check_dtype)
+        check = {"dtype": check_dtype, "mean_acceptance_length": c_acc["mean_acceptance_length"],
+                 "acceptance_per_position": c_acc["acceptance_per_position"],
+                 "tokens_per_s_spec": c_with["output_tokens"] / c_with["seconds"],
+                 "tokens_per_s_baseline": c_without["output_tokens"] / c_without["seconds"]}
+        shown_with, shown_without = c_with, c_without
+    else:
+        shown_with, shown_without = with_draft, without
     tps_spec = with_draft["output_tokens"] / with_draft["seconds"]
     tps_base = without["output_tokens"] / without["seconds"]
     report = {
@@ -165,15 +190,19 @@ def validate(cfg, force: bool = False) -> dict:
         "tokens_per_s_baseline": tps_base,
         "speedup": tps_spec / tps_base if tps_base else None,
         "greedy_identical": f"{len(prompts) - len(diffs)}/{len(prompts)}" if vc.temperature == 0 else "n/a",
-        "greedy_differences": [{"prompt": i, "with_draft": tok.decode(with_draft["outputs"][i][:40]),
-                                "without": tok.decode(without["outputs"][i][:40])} for i in diffs[:10]],
+        "greedy_check_dtype": check_dtype if vc.temperature == 0 else None,
+        "greedy_differences": [{"prompt": i, "with_draft": tok.decode(shown_with["outputs"][i][:40]),
+                                "without": tok.decode(shown_without["outputs"][i][:40])} for i in diffs[:10]],
+        "greedy_identical_at_dtype": greedy_at_dtype if vc.temperature == 0 else "n/a",
+        "greedy_check": check,
         "output_tokens_spec": with_draft["output_tokens"], "output_tokens_baseline": without["output_tokens"],
         "seconds_spec": with_draft["seconds"], "seconds_baseline": without["seconds"],
         "num_drafts": acc["num_drafts"], "num_draft_tokens": acc["num_draft_tokens"],
         "num_accepted_tokens": acc["num_accepted_tokens"],
         "checkpoint": {"path": prov["checkpoint"], "step": prov.get("step"), "metrics": prov.get("metrics", {})},
         "verifier": {**spec.model_identity, "path": spec.model_path, "layer_ids": spec.layer_ids},
-        "device": v.device, "dtype": v.dtype, "temperature": vc.temperature, "max_new_tokens": vc.max_new_tokens,
+        "device": v.device, "dtype": dtype, "verifier_dtype": v.dtype, "temperature": vc.temperature,
+        "max_new_tokens": vc.max_new_tokens,
         "max_num_seqs": vc.max_num_seqs, "settings": settings, "wall_seconds": time.time() - t0,
         "created_at": time.time(),
     }
