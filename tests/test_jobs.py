@@ -107,7 +107,7 @@ def test_pipeline_as_ray_job_then_second_job_reuses_verifier(cluster, tiny_verif
     cfg.write_text(yaml.safe_dump({
         "run": {"name": "job1", "storage": f"file://{tmp}/runs"},
         "verifier": {"model": tiny_verifier, "aux_layer_ids": TINY_AUX, "max_model_len": 512,
-                     "cpu_kv_cache_gib": 1, "num_cpus": 0.5},
+                     "cpu_kv_cache_gib": 1, "num_cpus": 0.5, "dtype": "float32"},
         "data": {"train": [{"kind": "chat", "path": str(train_file)}], "eval": [{"kind": "mtbench"}]},
         "extract": {"max_tokens_per_batch": 512},
         "vocab": {"draft_vocab_size": 256},

@@ -44,7 +44,7 @@ def trained(ray_session, tmp_path_factory, tiny_verifier):
     cfg_path.write_text(yaml.safe_dump({
         "run": {"name": "tr", "storage": f"file://{tmp}/runs"},
         "verifier": {"model": tiny_verifier, "aux_layer_ids": TINY_AUX, "max_model_len": 512,
-                     "cpu_kv_cache_gib": 1, "num_cpus": 0.5},
+                     "cpu_kv_cache_gib": 1, "num_cpus": 0.5, "dtype": "float32"},
         "data": {"train": [{"kind": "chat", "path": str(train_file)}], "eval": [{"kind": "mtbench"}]},
         "extract": {"max_tokens_per_batch": 512},
         "vocab": {"draft_vocab_size": 512},
@@ -216,8 +216,10 @@ def test_run_after_interruption_skips_finished_stages_and_validates(trained):
     from eagle3ray.cli import app
 
     cfg, _, _, cfg_path = trained
+    # acceptance and speed in bf16, the greedy-identity check on a second pair of engines in fp32
     r = CliRunner().invoke(app, ["run", "-c", cfg_path, "validation.max_prompts=4", "validation.max_new_tokens=16",
-                                 "validation.max_num_seqs=4", "--no-progress"])
+                                 "validation.max_num_seqs=4", "validation.dtype=bfloat16",
+                                 "validation.greedy_check_dtype=float32", "--no-progress"])
     assert r.exit_code == 0, r.output
     out = r.output
     assert "prepare (already complete: skipped)" in out
@@ -230,5 +232,9 @@ def test_run_after_interruption_skips_finished_stages_and_validates(trained):
         assert field in rep, field
     assert rep["num_prompts"] == 4 and rep["eval_set"] == "mtbench" and len(rep["acceptance_per_position"]) == 3
     assert rep["mean_acceptance_length"] >= 1.0 and rep["greedy_identical"] == "4/4"
+    assert rep["dtype"] == "bfloat16" and rep["verifier_dtype"] == "float32" and rep["greedy_check_dtype"] == "float32"
+    assert rep["greedy_check"]["dtype"] == "float32" and rep["greedy_check"]["mean_acceptance_length"] >= 1.0
+    assert rep["greedy_identical_at_dtype"].endswith("/4")
+    assert "greedy outputs identical (float32)" in out
     with paths.fs.open(f"{paths.sub('reports')}/validate.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
