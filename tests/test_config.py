@@ -12,7 +12,7 @@ def test_default_config_loads_and_overrides_apply():
     assert cfg.run.name == "smollm2-135m-cpu"
     assert cfg.data.max_samples == 32 and cfg.extract.max_tokens_per_batch == 2048
     assert cfg.verifier.aux_layer_ids == [1, 2, 3]
-    assert load_config(DEFAULT_CONFIG).data.max_samples == 960  # the file's own value without overrides
+    assert load_config(DEFAULT_CONFIG).data.max_samples == 1600  # the file's own value without overrides
 
 
 @pytest.mark.parametrize("override, field", [

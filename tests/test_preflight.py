@@ -189,3 +189,15 @@ def test_dedicated_regeneration_on_gpus_is_noted():
              if n.startswith("data.regenerate_engine dedicated")]
     assert len(noted) == 1 and "second copy of the verifier on 8 GPU(s)" in noted[0]
     assert not [n for n in preflight(_cfg("qwen3-8b")).notes if n.startswith("data.regenerate_engine")]
+
+
+def test_fp32_on_a_cpu_without_amx_is_noted(monkeypatch):
+    import eagle3ray.preflight as pf
+
+    def note(cfg):
+        return [n for n in preflight(cfg).notes if n.startswith("this CPU has no AMX-BF16")]
+
+    monkeypatch.setattr(pf, "cpu_bf16_is_fast", lambda: False)
+    assert len(note(load_config(None, ["verifier.dtype=float32"]))) == 1
+    monkeypatch.setattr(pf, "cpu_bf16_is_fast", lambda: True)
+    assert not note(load_config(None, ["verifier.dtype=float32"]))
