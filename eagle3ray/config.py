@@ -28,10 +28,10 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-1
 def cpu_bf16_is_fast(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     """Whether this CPU has AMX-BF16 tiles (Intel Sapphire Rapids and later), where bf16 matmuls beat fp32.
 
-    Measured here: a [512, 576] x [576, 1536] matmul on 2 threads runs 888 GFLOP/s in bf16 and 259 in fp32
-    with AMX-BF16 (``benchmarks/train_step_cost.py --autocast off,bfloat16`` for a whole draft step); on
-    AVX2-only CPUs bf16 is 7-10x slower than fp32 (FIELD_NOTES). Reads the ``flags`` line of
-    ``cpuinfo`` (Linux); False when it cannot be read.
+    Measured on a 2-core Xeon with AMX-BF16: SmolLM2-135M regeneration and extraction 2.9x faster in bf16
+    than fp32 (``benchmarks/dtype.py``), a draft training step 1.3-1.8x (``benchmarks/train_step_cost.py
+    --autocast off,bfloat16``); on AVX2-only CPUs bf16 is 7-10x slower than fp32 (FIELD_NOTES). Reads the
+    ``flags`` line of ``cpuinfo`` (Linux); False when it cannot be read.
     """
     try:
         with open(cpuinfo) as fh:
