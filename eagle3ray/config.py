@@ -29,9 +29,10 @@ def cpu_bf16_is_fast(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     """Whether this CPU has AMX-BF16 tiles (Intel Sapphire Rapids and later), where bf16 matmuls beat fp32.
 
     Measured on a 2-core Xeon with AMX-BF16: SmolLM2-135M regeneration and extraction 2.9x faster in bf16
-    than fp32 (``benchmarks/dtype.py``), a draft training step 1.3-1.8x (``benchmarks/train_step_cost.py
-    --autocast off,bfloat16``); on AVX2-only CPUs bf16 is 7-10x slower than fp32 (FIELD_NOTES). Reads the
-    ``flags`` line of ``cpuinfo`` (Linux); False when it cannot be read.
+    than fp32 (``benchmarks/dtype.py``), a draft training step 1.3-1.6x (``benchmarks/train_step_cost.py
+    --autocast off,bfloat16``); on AVX2-only CPUs bf16 is 7-10x slower than fp32 (FIELD_NOTES; CPUs with
+    AVX512-BF16 but no AMX were not measured, so they count as slow). Reads the ``flags`` line of
+    ``cpuinfo`` (Linux) of the calling process's machine; False when it cannot be read.
     """
     try:
         with open(cpuinfo) as fh:
@@ -51,6 +52,14 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if device == "cuda" or cpu_bf16_is_fast() else "float32"
+
+
+def resolve_autocast(setting: str, device_type: str) -> bool:
+    """Whether the draft's forward runs under bf16 autocast for ``train.autocast`` (auto|bfloat16|off) on
+    ``device_type`` ("cuda"/"cpu"): auto follows :func:`resolve_dtype`. Raises nothing."""
+    if setting == "auto":
+        return resolve_dtype("auto", device_type) == "bfloat16"
+    return setting == "bfloat16"
 
 
 class ConfigError(ValueError):
@@ -122,9 +131,11 @@ class VerifierSection(_Strict):
     cache_dir: str = Field("~/.cache/eagle3ray", description="Where packaged verifiers are converted to safetensors.")
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype of every verifier engine (regeneration, extraction, validation). "
-        "'auto' is resolved when the config loads: bfloat16 on CUDA and on CPUs with AMX-BF16, float32 on "
-        "other CPUs (bf16 is 7-10x slower than fp32 without it). The run's config.resolved.yaml records it.",
+        "auto", validate_default=True,
+        description="Compute dtype of every verifier engine (regeneration, extraction, validation). "
+        "'auto' is resolved when the config loads, from the CPU of the process that loads it (the CLI or job "
+        "driver): bfloat16 on CUDA and on CPUs with AMX-BF16, float32 on other CPUs (bf16 is 7-10x slower "
+        "than fp32 on AVX2-only CPUs). The run's config.resolved.yaml records it.",
     )
     tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: int = Field(2048, ge=16, description="Tokens; longer samples are rejected, never truncated.")
@@ -263,8 +274,9 @@ class TrainSection(_Strict):
     loss_impl: Literal["eager", "fused"] = Field("eager", description="'fused' is a Triton kernel (GPU only).")
     autocast: Literal["auto", "bfloat16", "off"] = Field(
         "auto", description="Mixed precision of the draft's forward (weights and optimizer stay fp32). "
-        "'auto': bf16 on CUDA and on CPUs with AMX-BF16 (a 512-token step 1.3x, a 1024-token step 1.8x "
-        "faster here, benchmarks/train_step_cost.py), off on other CPUs. Resolved on each worker.")
+        "'auto': bf16 on CUDA (train.use_gpu) and on CPUs with AMX-BF16 (a 512-token step 1.3x, a 1024-token "
+        "step 1.6x faster here, benchmarks/train_step_cost.py), off on other CPUs. Resolved once by the train "
+        "driver (from its own CPU), logged, and the same for every worker.")
     attn_impl: Literal["sdpa", "eager", "simple_flex_attention"] = Field(
         "sdpa", description="Draft attention. FlexAttention has no backward on CPU; use it on GPUs.")
     num_draft_layers: int = Field(1, ge=1)

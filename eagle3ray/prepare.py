@@ -54,8 +54,8 @@ class PrepareSummary:
 
 def _config_hash(cfg, spec_identity: dict) -> str:
     blob = cfg.data.model_dump_json(exclude={"tokens_per_sample_estimate", "regenerate_engine"}) + repr(sorted(spec_identity.items()))
-    if cfg.data.regenerate:  # greedy answers depend on the engine's compute dtype
-        blob += f"|dtype={cfg.verifier.dtype}"
+    if cfg.data.regenerate and cfg.verifier.dtype != "float32":  # greedy answers depend on the compute dtype
+        blob += f"|dtype={cfg.verifier.dtype}"  # (float32, the former only dtype, keeps the former hashes)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -211,6 +211,8 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
     Raises:
         FileNotFoundError: a source file or package is missing.
         ChatTemplateError: the verifier's chat template cannot locate assistant turns.
+        ManifestMismatch: the run's hidden states were extracted at another verifier dtype (checked before
+            anything is regenerated over the conversations they came from).
     """
     from transformers import AutoTokenizer
 
@@ -228,6 +230,15 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
                            loss_tokens=existing["counts"]["loss_tokens"], skipped=True,
                            rejected=RejectCounter.from_json(existing["rejected"]), path=paths.uri + "/conversations")
         return s
+    hs_man = storage.read_json(paths.fs, f"{paths.hidden_states}/manifest.json")
+    stored = (hs_man or {}).get("verifier", {}).get("compute_dtype")
+    if stored is not None and stored != cfg.verifier.dtype and not force:
+        # refuse before regenerating over conversations that extracted blocks were made from
+        from .blocks import ManifestMismatch
+
+        raise ManifestMismatch(f"{paths.uri}/hidden_states/manifest.json: these blocks were extracted with "
+                               f"verifier.dtype {stored!r} but this config resolves it to {cfg.verifier.dtype!r}; "
+                               f"set verifier.dtype={stored} to resume, or use another run.name")
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     rejected = RejectCounter()
     records = collect_records(cfg, rejected, tokenizer)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import blocks, check_code_fingerprint, code_fingerprint, storage
-from .config import resolve_dtype
+from .config import resolve_autocast
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +236,7 @@ def train_loop_per_worker(config: dict) -> None:  # noqa: C901 - one readable lo
     H = config["hidden_size"]
     collate = CollateFn(tc["max_tokens_per_batch"], H, len(config["aux_layer_ids"]),
                         dtype=torch.float32)
-    use_bf16 = tc["autocast"] == "bfloat16" or (tc["autocast"] == "auto"
-                                                and resolve_dtype("auto", device.type) == "bfloat16")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config["autocast_bf16"])
 
     def all_min(flag: int) -> int:
         if world == 1:
@@ -496,8 +494,11 @@ def train(cfg, fail_at_step: int | None = None, trace_dir: str | None = None) ->
     afs = storage.arrow_filesystem(paths.fs)
     ds_train = ray.data.read_parquet(train_files, filesystem=afs)
     ds_val = ray.data.read_parquet(val_files, filesystem=afs)
+    autocast_bf16 = resolve_autocast(cfg.train.autocast, "cuda" if cfg.train.use_gpu else "cpu")
+    log.info("train: draft forward %s (train.autocast %s)", "in bf16 autocast" if autocast_bf16 else "in fp32",
+             cfg.train.autocast)
     loop_cfg = {
-        "train": tc, "verifier_path": spec.model_path, "aux_layer_ids": spec.layer_ids[:-1],
+        "train": tc, "autocast_bf16": autocast_bf16, "verifier_path": spec.model_path, "aux_layer_ids": spec.layer_ids[:-1],
         "hidden_size": spec.model_identity["hidden_size"], "d2t": d2t.numpy(), "t2d": t2d.numpy(),
         "storage_uri": cfg.run.storage, "endpoint_url": cfg.run.endpoint_url, "run_name": cfg.run.name,
         "fail_at_step": fail_at_step, "trace_dir": trace_dir, "code_fingerprint": code_fingerprint(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from eagle3ray.config import DEFAULT_CONFIG, ConfigError, load_config
 
@@ -50,7 +51,18 @@ def test_auto_dtype_follows_the_device_and_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(config, "cpu_bf16_is_fast", lambda: True)
     cfg = load_config(None, ["verifier.dtype=auto"])
     assert cfg.verifier.dtype == "bfloat16"
-    assert "dtype: bfloat16" in cfg.to_yaml()  # the resolved config records what ran
+    assert yaml.safe_load(cfg.to_yaml())["verifier"]["dtype"] == "bfloat16"  # the resolved config records it
+    # left out of a config file, the field's default 'auto' is resolved as well
+    no_key = tmp_path / "no_dtype.yaml"
+    no_key.write_text(yaml.safe_dump({"run": {"name": "r"}}))
+    assert load_config(no_key).verifier.dtype == "bfloat16"
+    monkeypatch.setattr(config, "cpu_bf16_is_fast", lambda: False)
+    assert load_config(no_key).verifier.dtype == "float32"
+    assert config.VerifierSection().dtype == "float32"
+    assert config.resolve_autocast("auto", "cpu") is False and config.resolve_autocast("auto", "cuda") is True
+    assert config.resolve_autocast("bfloat16", "cpu") is True and config.resolve_autocast("off", "cuda") is False
+    monkeypatch.setattr(config, "cpu_bf16_is_fast", lambda: True)
+    assert config.resolve_autocast("auto", "cpu") is True
     assert load_config(None, ["verifier.dtype=float32"]).verifier.dtype == "float32"
 
 

@@ -99,3 +99,19 @@ def test_training_prompts_in_eval_set_are_removed(tmp_path, make_cfg):
     kept = collect_records(make_cfg([p]), rej)
     assert [r.messages[1]["content"] for r in kept] == ["y"]
     assert rej.counts == {"in_eval_set": 1, "duplicate": 1}
+
+
+def test_prepare_refuses_to_redo_conversations_under_blocks_of_another_dtype(tmp_path, make_cfg):
+    from eagle3ray import storage
+    from eagle3ray.blocks import ManifestMismatch
+    from eagle3ray.prepare import prepare
+
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}))
+    cfg = make_cfg([p], "data.regenerate=true")  # the tiny verifier is pinned to float32
+    paths = storage.run_paths(cfg)
+    storage.write_json_atomic(paths.fs, f"{paths.hidden_states}/manifest.json",
+                              {"verifier": {"compute_dtype": "bfloat16"}, "complete": False})
+    with pytest.raises(ManifestMismatch, match=r"verifier.dtype 'bfloat16' .* 'float32'.*verifier.dtype=bfloat16"):
+        prepare(cfg)
+    assert not paths.fs.exists(f"{paths.conversations}/manifest.json")  # nothing was regenerated or written

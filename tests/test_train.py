@@ -50,7 +50,8 @@ def trained(ray_session, tmp_path_factory, tiny_verifier):
         "vocab": {"draft_vocab_size": 512},
         "train": {"num_workers": 2, "cpus_per_worker": 0.5, "max_steps": MAX_STEPS, "checkpoint_every": 10,
                   "max_tokens_per_batch": 256, "lr": 3e-3, "warmup_steps": 5, "val_fraction": 0.15, "ttt_steps": 2,
-                  "shuffle_buffer_rows": 16, "max_failures": 1},
+                  "shuffle_buffer_rows": 16, "max_failures": 1,
+                  "autocast": "bfloat16"},  # the AMX default's path, on any CPU (auto would depend on the host)
     }))
     cfg = load_config(cfg_path)
     prepare(cfg)
