@@ -25,21 +25,14 @@ def main() -> None:
     ap.add_argument("--small-batch", type=int, default=7, help="sequences in flight in the second batching")
     a = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
     from eagle3ray.config import load_config
     from eagle3ray.serving import ServingEngine
-    from eagle3ray.validate import eval_prompts
+    from eagle3ray.validate import eval_prompt_ids
     from eagle3ray.verifier import VerifierSpec
 
     cfg = load_config(a.config, a.overrides)
     spec, v, vc = VerifierSpec.from_config(cfg), cfg.verifier, cfg.validation
-    tok = AutoTokenizer.from_pretrained(spec.model_path)
-    convs, name = eval_prompts(vc.eval, vc.max_prompts)
-    prompts = []
-    for c in convs:
-        ids = tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    prompts, name = eval_prompt_ids(spec.model_path, vc.eval, vc.max_prompts)
     for dtype in a.dtypes.split(","):
         outs = {}
         for seqs in (vc.max_num_seqs, a.small_batch):

@@ -105,6 +105,17 @@ def new_manifest(verifier: dict, layer_ids: list[int], storage_dtype: str, conve
     }
 
 
+def check_compute_dtype(existing: dict | None, dtype: str, where: str) -> None:
+    """Raise :class:`ManifestMismatch` when stored blocks were extracted at another verifier compute dtype
+    (``verifier.dtype: auto`` may resolve differently on another machine). Manifests written before the
+    dtype was recorded pass."""
+    stored = (existing or {}).get("verifier", {}).get("compute_dtype")
+    if stored is not None and stored != dtype:
+        raise ManifestMismatch(f"{where}: these blocks were extracted with verifier.dtype {stored!r} but this config "
+                               f"resolves it to {dtype!r}; set verifier.dtype={stored} to resume, or use another "
+                               "run.name")
+
+
 def check_compatible(existing: dict, fresh: dict, where: str) -> None:
     """Raise :class:`ManifestMismatch` naming the first differing field."""
     for key in ("schema_version", "layer_ids", "dtype"):
@@ -116,12 +127,7 @@ def check_compatible(existing: dict, fresh: dict, where: str) -> None:
         if a != b:
             raise ManifestMismatch(f"{where}: field 'verifier.{key}' is {a!r} in the stored blocks but {b!r} for this "
                                    "config; use another run.name or remove the folder")
-    # The engine's compute dtype (verifier.dtype 'auto' may resolve differently on another machine);
-    # manifests written before it was recorded are not checked for it.
-    a, b = existing.get("verifier", {}).get("compute_dtype"), fresh.get("verifier", {}).get("compute_dtype")
-    if a is not None and a != b:
-        raise ManifestMismatch(f"{where}: these blocks were extracted with verifier.dtype {a!r} but this config "
-                               f"resolves it to {b!r}; set verifier.dtype={a} to resume, or use another run.name")
+    check_compute_dtype(existing, fresh.get("verifier", {}).get("compute_dtype"), where)
     a, b = existing.get("conversations", {}).get("sha256"), fresh.get("conversations", {}).get("sha256")
     if a != b:
         raise ManifestMismatch(f"{where}: the conversations changed since these blocks were extracted "

@@ -230,15 +230,11 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
                            loss_tokens=existing["counts"]["loss_tokens"], skipped=True,
                            rejected=RejectCounter.from_json(existing["rejected"]), path=paths.uri + "/conversations")
         return s
-    hs_man = storage.read_json(paths.fs, f"{paths.hidden_states}/manifest.json")
-    stored = (hs_man or {}).get("verifier", {}).get("compute_dtype")
-    if stored is not None and stored != cfg.verifier.dtype and not force:
-        # refuse before regenerating over conversations that extracted blocks were made from
-        from .blocks import ManifestMismatch
+    if not force:  # refuse before regenerating over conversations that extracted blocks were made from
+        from .blocks import check_compute_dtype
 
-        raise ManifestMismatch(f"{paths.uri}/hidden_states/manifest.json: these blocks were extracted with "
-                               f"verifier.dtype {stored!r} but this config resolves it to {cfg.verifier.dtype!r}; "
-                               f"set verifier.dtype={stored} to resume, or use another run.name")
+        check_compute_dtype(storage.read_json(paths.fs, f"{paths.hidden_states}/manifest.json"),
+                            cfg.verifier.dtype, f"{paths.uri}/hidden_states/manifest.json")
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     rejected = RejectCounter()
     records = collect_records(cfg, rejected, tokenizer)

@@ -50,6 +50,20 @@ def eval_prompts(specs, max_prompts: int) -> tuple[list[list[dict]], str]:
     return convs[:max_prompts], "+".join(names)
 
 
+def eval_prompt_ids(model_path: str, specs, max_prompts: int) -> tuple[list[list[int]], str]:
+    """The evaluation prompts as token ids (the verifier's chat template with the generation prompt),
+    and the set's name: what both validation engines decode."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    convs, name = eval_prompts(specs, max_prompts)
+    prompts = []
+    for c in convs:
+        ids = tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts, name
+
+
 def _local_export(paths: storage.RunPaths) -> str:
     """The export folder as a local path (downloaded from object storage when needed)."""
     src = paths.sub("export")
@@ -133,12 +147,8 @@ def validate(cfg, force: bool = False) -> dict:
         old["skipped"] = True
         return old
     spec = VerifierSpec.from_config(cfg)
-    tok = AutoTokenizer.from_pretrained(spec.model_path)
-    convs, eval_name = eval_prompts(vc.eval, vc.max_prompts)
-    prompts = []
-    for c in convs:
-        ids = tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    tok = AutoTokenizer.from_pretrained(spec.model_path)  # decodes greedy differences for the report
+    prompts, eval_name = eval_prompt_ids(spec.model_path, vc.eval, vc.max_prompts)
     draft_dir = _local_export(paths)
     ensure_ray(cfg)
     # validation serves the draft with its own engines, but never against a verifier other than the one
