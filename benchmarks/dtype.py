@@ -1,13 +1,13 @@
 """Benchmark: the verifier's compute dtype on this CPU, fp32 vs bf16, for the two data stages.
 
 Side by side in one process, per dtype and round: (1) regeneration, a plain vLLM engine
-(:class:`eagle3ray.serving.ServingEngine`, in-process on CPU) decoding the first ``--prompts`` user
+(:class:`eagle3ray.serving_engine.ServingEngine`, in-process on CPU) decoding the first ``--prompts`` user
 prompts of a run's conversations, ``data.max_new_tokens`` greedy tokens each, all in flight; (2)
 extraction, the verifier's extraction engine (:class:`eagle3ray.verifier.VerifierEngine`, vLLM
 prefill with the auxiliary hidden states captured) on the first ``--samples`` whole conversations in
 ``extract.max_tokens_per_batch`` batches. Prints tokens/s per dtype and round, the medians and the
 ratio bf16/fp32. ``verifier.dtype: auto`` picks bf16 only on CPUs with AMX-BF16
-(:func:`eagle3ray.config.cpu_bf16_is_fast`).
+(:func:`eagle3ray.machine.cpu_bf16_is_fast`).
 
     .venv/bin/python benchmarks/dtype.py run.name=b1 --prompts 256 --samples 128 --rounds 2
 """
@@ -34,8 +34,8 @@ def main() -> None:
     from eagle3ray import storage
     from eagle3ray.config import load_config
     from eagle3ray.extract import plan_units
-    from eagle3ray.prepare import read_conversations
-    from eagle3ray.serving import ServingEngine
+    from eagle3ray.artifacts import read_conversations
+    from eagle3ray.serving_engine import ServingEngine
     from eagle3ray.verifier import VerifierEngine, VerifierSpec
 
     cfg = load_config(a.config, a.overrides)

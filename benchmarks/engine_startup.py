@@ -21,7 +21,7 @@ import time
 
 
 def one(mode: str, model: str) -> dict:
-    from eagle3ray.serving import cpu_engine_options
+    from eagle3ray.serving_engine import cpu_engine_options
 
     kw = dict(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=40, seed=0)
     if mode == "in-process":

@@ -39,8 +39,10 @@ def main() -> None:
     from eagle3ray import storage
     from eagle3ray.config import load_config
     from eagle3ray.extract import extract, plan_units
-    from eagle3ray.prepare import prepare, read_conversations
-    from eagle3ray.service import ensure_ray, get_or_start_verifier
+    from eagle3ray.artifacts import read_conversations
+    from eagle3ray.prepare import prepare
+    from eagle3ray.machine import ensure_ray
+    from eagle3ray.verifier_service import get_or_start_verifier
     from eagle3ray.verifier import VerifierEngine, VerifierSpec
 
     tmp = tempfile.mkdtemp(prefix="e3r-bench-")

@@ -6,7 +6,7 @@ users run extract jobs one after another against a cluster:
 
 1. cold: no verifier service is running; the job starts it (loads the model) and extracts.
 2. warm: the service from (1) is running; the next job attaches to it (``--rounds`` jobs).
-3. 2 replicas: the service is stopped and restarted with ``extract.min_actors = max_actors = 2``; warm jobs.
+3. 2 replicas: the service is stopped and restarted with ``extract.min_replicas = max_replicas = 2``; warm jobs.
 
 Reported per job: seconds from the job's ``extract()`` call to its first committed block (``first_block_s``),
 the same from the process start (imports and ``ray.init`` included), and the extraction loop's tokens/s
@@ -114,9 +114,9 @@ def main() -> None:
         print("warm (service from the cold job still running), 1 replica:", flush=True)
         warm = [run_job() for _ in range(args.rounds)]
         stop_all()
-        print("2 replicas (service restarted with min_actors = max_actors = 2):", flush=True)
-        two_cold = run_job("extract.min_actors=2", "extract.max_actors=2")
-        two = [run_job("extract.min_actors=2", "extract.max_actors=2") for _ in range(args.rounds)]
+        print("2 replicas (service restarted with min_replicas = max_replicas = 2):", flush=True)
+        two_cold = run_job("extract.min_replicas=2", "extract.max_replicas=2")
+        two = [run_job("extract.min_replicas=2", "extract.max_replicas=2") for _ in range(args.rounds)]
     finally:
         stop_all()
         cluster.shutdown()

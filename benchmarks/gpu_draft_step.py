@@ -36,7 +36,7 @@ def main() -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eagle3ray.train import build_draft, pack_rows, row_to_sample
-    from eagle3ray.verifier import to_storage_bytes
+    from eagle3ray.blocks import to_storage_bytes
 
     assert torch.cuda.is_available(), "no CUDA device"
     dev = torch.device("cuda")

@@ -26,7 +26,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from eagle3ray.config import load_config
-    from eagle3ray.serving import ServingEngine
+    from eagle3ray.serving_engine import ServingEngine
     from eagle3ray.validate import eval_prompt_ids
     from eagle3ray.verifier import VerifierSpec
 

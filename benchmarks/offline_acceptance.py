@@ -57,7 +57,7 @@ def simulate(cfg, blocks_root: str, k: int, checkpoint: str | None = None) -> di
     from eagle3ray import storage
     from eagle3ray.train import TRAINABLE_FILE, build_draft, pack_rows, row_to_sample
     from eagle3ray.verifier import VerifierSpec
-    from eagle3ray.vocab import load_vocab
+    from eagle3ray.artifacts import load_vocab
 
     paths = storage.run_paths(cfg)
     best = storage.read_json(paths.fs, f"{paths.sub('checkpoints')}/best.json")

@@ -30,8 +30,10 @@ def main() -> None:
 
     from eagle3ray import storage
     from eagle3ray.config import load_config
-    from eagle3ray.prepare import answer_engine, read_conversations
-    from eagle3ray.service import ensure_ray, stop_verifier
+    from eagle3ray.artifacts import read_conversations
+    from eagle3ray.prepare import answer_engine
+    from eagle3ray.machine import ensure_ray
+    from eagle3ray.verifier_service import stop_verifier
     from eagle3ray.verifier import VerifierSpec
 
     res: dict[str, list[dict]] = {"service": [], "dedicated": []}

@@ -39,7 +39,8 @@ def main() -> None:
     from eagle3ray.config import load_config
     from eagle3ray.train import build_draft, pack_rows, row_to_sample, train
     from eagle3ray.verifier import VerifierSpec
-    from eagle3ray.vocab import build_vocab, load_vocab
+    from eagle3ray.artifacts import load_vocab
+    from eagle3ray.vocab import build_vocab
 
     cfg = load_config(args.config, args.overrides)
     src = storage.run_paths(cfg)

@@ -39,7 +39,7 @@ def main() -> None:
 
     from eagle3ray import blocks, storage
     from eagle3ray.config import load_config
-    from eagle3ray.extract import load_token_frequencies
+    from eagle3ray.artifacts import load_token_frequencies
     from eagle3ray.train import build_draft, pack_rows, row_to_sample
     from eagle3ray.verifier import VerifierSpec
 

@@ -15,9 +15,15 @@ hidden_size     int32          H
 hs_dtype        string         bfloat16 | float16 | float32
 =============== ============== ==========================================================
 
+The ``hidden_states`` bytes are written by :func:`to_storage_bytes` and read by :func:`from_storage_bytes`
+(:func:`decode_states` for a row): raw little-endian values, bfloat16 as its upper 16 bits of float32.
+
 ``hidden_states/manifest.json`` lists the committed blocks (path relative to ``hidden_states/``,
 rows, tokens, bytes, sha256). A file under ``blocks/`` that the manifest does not list does not
-exist for readers (it is an interrupted write) and is deleted when extraction resumes.
+exist for readers (it is an interrupted write) and is deleted when extraction resumes. The rules of a
+commit (exactly once per sample, orphans, counts, the final token frequencies) are :class:`Manifest`'s.
+
+This module is the whole contract: it imports no engine and no stage.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import storage
-from .verifier import from_storage_bytes
 
 SCHEMA_VERSION = 1
+#: dtypes a block's ``hidden_states`` may be stored in (``extract.storage_dtype``).
+STORAGE_DTYPES = ("bfloat16", "float16", "float32")
+#: The fields of one committed block in ``manifest["blocks"]``.
+ENTRY_FIELDS = ("path", "rows", "tokens", "bytes", "sha256")
 LAYER_ID_CONVENTION = (
     "vLLM/speculators eagle_aux_hidden_state_layer_ids: id i < L is the input of decoder layer i "
     "(= transformers hidden_states[i]); id L is the last layer's output before the final norm"
@@ -52,6 +61,24 @@ BLOCK_SCHEMA = pa.schema([
 
 class ManifestMismatch(ValueError):
     """Existing blocks were made with other settings than the current config."""
+
+
+def to_storage_bytes(states, storage_dtype: str) -> bytes:
+    """Encode a torch tensor [T, L, H] as raw little-endian bytes of ``storage_dtype``."""
+    import torch
+
+    t = states.to(getattr(torch, storage_dtype)).contiguous()
+    if storage_dtype == "bfloat16":
+        return t.view(torch.int16).numpy().tobytes()
+    return t.numpy().tobytes()
+
+
+def from_storage_bytes(buf: bytes, shape, storage_dtype: str):
+    """Decode bytes written by :func:`to_storage_bytes` into a float32 numpy array of ``shape``."""
+    if storage_dtype == "bfloat16":
+        raw = np.frombuffer(buf, dtype=np.uint16).astype(np.uint32) << 16
+        return raw.view(np.float32).reshape(shape)
+    return np.frombuffer(buf, dtype=np.dtype(storage_dtype)).astype(np.float32).reshape(shape)
 
 
 def build_block(samples: list[dict], results: list[dict], storage_dtype: str) -> pa.Table:
@@ -74,9 +101,7 @@ def build_block(samples: list[dict], results: list[dict], storage_dtype: str) ->
 
 def write_block(fs, path: str, table: pa.Table, compression: str) -> dict:
     """Write a block atomically; returns its manifest entry fields (bytes, sha256, rows, tokens)."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression=None if compression == "none" else compression)
-    buf = sink.getvalue().to_pybytes()
+    buf = storage.parquet_bytes(table, compression)
     storage.write_bytes_atomic(fs, path, buf)
     return {"bytes": len(buf), "sha256": hashlib.sha256(buf).hexdigest(), "rows": table.num_rows,
             "tokens": int(pa.compute.sum(table["seq_len"]).as_py() or 0)}
@@ -165,3 +190,113 @@ def read_committed(fs, hs_root: str) -> tuple[dict, list[str]]:
     if man is None:
         raise FileNotFoundError(f"{hs_root}/manifest.json not found: run `eagle3ray extract` first")
     return man, [f"{hs_root}/{b['path']}" for b in man["blocks"]]
+
+
+class Manifest:
+    """The manifest of one run's hidden states (``<hidden_states>/manifest.json``) and its commit rules.
+
+    - :meth:`commit` adds one written block: exactly once per sample (a block that repeats a committed
+      sample, e.g. from a retried unit whose first attempt was committed, is deleted and its repeated ids
+      returned), counts updated, the manifest rewritten atomically;
+    - :meth:`remove_orphans` deletes block files the manifest does not list (interrupted writes);
+    - :meth:`finish` writes the loss-masked token frequencies and marks the manifest complete.
+
+    Readers trust only what the manifest lists (:func:`read_committed`).
+    """
+
+    def __init__(self, fs, hs_root: str, data: dict):
+        self.fs, self.root, self.data = fs, hs_root, data
+        self._ids: set[str] | None = None
+
+    @classmethod
+    def open(cls, fs, hs_root: str, fresh: dict, where: str) -> "Manifest":
+        """The stored manifest when there is one (checked against ``fresh`` with :func:`check_compatible`), else
+        ``fresh`` (not yet written).
+
+        Raises:
+            ManifestMismatch: the stored blocks were made with other settings.
+        """
+        existing = storage.read_json(fs, f"{hs_root}/manifest.json")
+        if existing is None:
+            return cls(fs, hs_root, fresh)
+        check_compatible(existing, fresh, where)
+        return cls(fs, hs_root, existing)
+
+    @property
+    def path(self) -> str:
+        return f"{self.root}/manifest.json"
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.data.get("complete"))
+
+    @property
+    def counts(self) -> dict:
+        return self.data["counts"]
+
+    def save(self) -> None:
+        storage.write_json_atomic(self.fs, self.path, self.data)
+
+    def committed_ids(self) -> set[str]:
+        """Sample ids of the committed blocks (read once from the blocks, then kept up to date by commits)."""
+        if self._ids is None:
+            self._ids = set(committed_sample_ids(self.fs, self.root, self.data))
+        return self._ids
+
+    def remove_orphans(self) -> int:
+        """Delete the files under ``blocks/`` that the manifest does not list; returns how many."""
+        committed = {b["path"] for b in self.data["blocks"]}
+        try:
+            files = self.fs.ls(f"{self.root}/blocks", detail=False)
+        except FileNotFoundError:
+            return 0
+        removed = 0
+        for f in files:
+            rel = "blocks/" + f.rstrip("/").rsplit("/", 1)[-1]
+            if rel not in committed:
+                self.fs.rm(f)
+                removed += 1
+        return removed
+
+    def set_rejected(self, prepare: dict, extract: dict) -> None:
+        """Record the rejected samples (``RejectCounter.to_json()`` of prepare and of extract) and save."""
+        self.data["rejected"] = {"prepare": prepare, "extract": extract}
+        self.save()
+
+    def commit(self, entry: dict, sample_ids: list[str], rejected_extract: dict) -> list[str]:
+        """Commit a written block (``entry``: :data:`ENTRY_FIELDS`; ``sample_ids``: the ids its writer wrote).
+
+        Returns the ids already committed by another block: then nothing is committed and the block file is
+        deleted. Otherwise the entry is appended, the counts grow, ``rejected.extract`` is set and the manifest
+        is saved.
+        """
+        ids = self.committed_ids()
+        dup = [i for i in sample_ids if i in ids]
+        if dup:
+            self.fs.rm(f"{self.root}/{entry['path']}")
+            return dup
+        ids.update(sample_ids)
+        self.data["blocks"].append({k: entry[k] for k in ENTRY_FIELDS})
+        c = self.data["counts"]
+        c["samples"] += entry["rows"]
+        c["tokens"] += entry["tokens"]
+        c["bytes"] += entry["bytes"]
+        self.data["rejected"]["extract"] = rejected_extract
+        self.save()
+        return []
+
+    def finish(self, vocab_size: int, rejected_extract: dict, retries: int) -> np.ndarray:
+        """Write ``token_freq.safetensors`` (loss-masked counts [vocab_size] int64 over the committed blocks), add
+        ``retries`` unit retries, mark the manifest complete and save. Returns the counts."""
+        from safetensors.numpy import save as st_save
+
+        freq = token_frequencies(self.fs, self.root, self.data, vocab_size)
+        storage.write_bytes_atomic(self.fs, f"{self.root}/token_freq.safetensors", st_save({"counts": freq}))
+        self.data["counts"]["loss_tokens"] = int(freq.sum())
+        self.data["token_freq"] = "token_freq.safetensors"
+        self.data["rejected"]["extract"] = rejected_extract
+        self.data["retries"] = self.data.get("retries", 0) + retries
+        self.data["complete"] = True
+        self.data["completed_at"] = time.time()
+        self.save()
+        return freq

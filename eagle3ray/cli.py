@@ -31,7 +31,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_
 console = Console(stderr=True)
 
 ConfigOpt = typer.Option(None, "-c", "--config", help="Run config YAML (default: configs/smollm2-135m-cpu.yaml).")
-OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. data.max_samples=32 extract.max_actors=2")
+OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. data.max_samples=32 extract.max_replicas=2")
 
 
 def _load(config: Optional[Path], overrides: Optional[list[str]]):
@@ -215,7 +215,7 @@ def check(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = O
     if cluster:
         import ray
 
-        from .service import ensure_ray
+        from .machine import ensure_ray
 
         ensure_ray(cfg)
         nodes = ray.nodes()
@@ -329,7 +329,7 @@ def _cluster_cfg(config, overrides):
         console.print("[red]error:[/red] a verifier service outlives this command only on a running cluster: set "
                       "ray.address (e.g. ray.address=auto) or RAY_ADDRESS; start one with `ray start --head`")
         raise typer.Exit(2)
-    from .service import ensure_ray
+    from .machine import ensure_ray
 
     ensure_ray(cfg)
     return cfg
@@ -339,7 +339,7 @@ def _cluster_cfg(config, overrides):
 def verifier_start(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Start (or find) the verifier service of CONFIG and pin it: it stays up between jobs, and stages whose
     verifier differs refuse to start another one (they name the differing fields) until it is stopped."""
-    from .service import VerifierMismatch, app_name, start_for_config
+    from .verifier_service import VerifierMismatch, app_name, start_for_config
     from .verifier import VerifierSpec
 
     cfg = _cluster_cfg(config, overrides)
@@ -356,7 +356,7 @@ def verifier_status(config: Optional[Path] = ConfigOpt, overrides: Optional[list
                     as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Every eagle3ray verifier service on the cluster: identity, replicas, load time, uptime, requests
     served, tokens processed, and whether it matches CONFIG's verifier."""
-    from .service import app_name, running_verifiers
+    from .verifier_service import app_name, running_verifiers
     from .verifier import VerifierSpec
 
     cfg = _cluster_cfg(config, overrides)
@@ -388,7 +388,7 @@ def verifier_stop(config: Optional[Path] = ConfigOpt, overrides: Optional[list[s
     """Stop CONFIG's verifier service (or --all of them); the GPUs are released."""
     from ray import serve
 
-    from .service import running_verifiers, stop_verifier
+    from .verifier_service import running_verifiers, stop_verifier
     from .verifier import VerifierSpec
 
     cfg = _cluster_cfg(config, overrides)
@@ -403,7 +403,7 @@ def verifier_stop(config: Optional[Path] = ConfigOpt, overrides: Optional[list[s
 
 
 def main() -> None:
-    from .service import VerifierMismatch
+    from .verifier_service import VerifierMismatch
 
     try:
         app()

@@ -2,8 +2,13 @@
 
 Precedence (as in speculators' CLI): command-line override > YAML > schema default. Unknown keys are
 an error everywhere (``extra="forbid"``), so a typo such as ``extract.max_token_per_batch`` fails
-before anything expensive starts. The resolved config is written into the run directory
-(``<root>/<run>/config.resolved.yaml``) by every stage.
+before anything expensive starts.
+
+The schema is pure: one YAML validates to the same :class:`Config` on every machine. What depends on the
+machine (``verifier.dtype: auto``, a relative ``file://`` root) is settled by :func:`resolve`, the one impure
+step, which :func:`load_config` calls; the stages that write data (prepare, extract, train) record the resolved
+config in the run directory (``<root>/<run>/config.resolved.yaml``). ``eagle3ray config show`` prints it with
+where each value came from, ``eagle3ray config keys`` every key with its description.
 
 Example::
 
@@ -13,53 +18,17 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
-import json
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+log = logging.getLogger(__name__)
+
 #: The embedded default config, used when no ``-c`` is given.
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m-cpu.yaml"
-
-
-def cpu_bf16_is_fast(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has AMX-BF16 tiles (Intel Sapphire Rapids and later), where bf16 matmuls beat fp32.
-
-    Measured on a 2-core Xeon with AMX-BF16: SmolLM2-135M regeneration and extraction 2.9x faster in bf16
-    than fp32 (``benchmarks/dtype.py``), a draft training step 1.3-1.6x (``benchmarks/train_step_cost.py
-    --autocast off,bfloat16``); on AVX2-only CPUs bf16 is 7-10x slower than fp32 (FIELD_NOTES; CPUs with
-    AVX512-BF16 but no AMX were not measured, so they count as slow). Reads the ``flags`` line of
-    ``cpuinfo`` (Linux) of the calling process's machine; False when it cannot be read.
-    """
-    try:
-        with open(cpuinfo) as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
-    except OSError:
-        pass
-    return False
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """A concrete compute dtype for ``auto``: bfloat16 on CUDA and on CPUs with AMX-BF16, else float32.
-
-    Other values are returned unchanged. Raises nothing.
-    """
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device == "cuda" or cpu_bf16_is_fast() else "float32"
-
-
-def resolve_autocast(setting: str, device_type: str) -> bool:
-    """Whether the draft's forward runs under bf16 autocast for ``train.autocast`` (auto|bfloat16|off) on
-    ``device_type`` ("cuda"/"cpu"): auto follows :func:`resolve_dtype`. Raises nothing."""
-    if setting == "auto":
-        return resolve_dtype("auto", device_type) == "bfloat16"
-    return setting == "bfloat16"
 
 
 class ConfigError(ValueError):
@@ -81,15 +50,6 @@ class RunSection(_Strict):
     endpoint_url: str | None = Field(
         None, description="S3-compatible endpoint (e.g. http://127.0.0.1:9000). Credentials come from the environment."
     )
-
-    @field_validator("storage")
-    @classmethod
-    def _absolute_storage(cls, v: str) -> str:
-        # Relative file:// roots resolve against the directory the command runs in, once, here:
-        # Ray workers run in other working directories.
-        from .storage import normalize_root
-
-        return normalize_root(v)
 
     @field_validator("name")
     @classmethod
@@ -131,11 +91,11 @@ class VerifierSection(_Strict):
     cache_dir: str = Field("~/.cache/eagle3ray", description="Where packaged verifiers are converted to safetensors.")
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", validate_default=True,
+        "auto",
         description="Compute dtype of every verifier engine (regeneration, extraction, validation). "
         "'auto' is resolved when the config loads, from the CPU of the process that loads it (the CLI or job "
-        "driver): bfloat16 on CUDA and on CPUs with AMX-BF16, float32 on other CPUs (bf16 is 7-10x slower "
-        "than fp32 on AVX2-only CPUs). The run's config.resolved.yaml records it.",
+        "driver): bfloat16 on CUDA and on CPUs with AMX-BF16, float32 on other CPUs (where bf16 is much slower: "
+        "benchmarks/dtype.py). The run's config.resolved.yaml records it.",
     )
     tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: int = Field(2048, ge=16, description="Tokens; longer samples are rejected, never truncated.")
@@ -167,11 +127,6 @@ class VerifierSection(_Strict):
     def num_gpus(self) -> int:
         """GPUs per replica: tensor_parallel_size on CUDA, 0 on CPU."""
         return self.tensor_parallel_size if self.device == "cuda" else 0
-
-    @field_validator("dtype")
-    @classmethod
-    def _resolve_dtype(cls, v: str, info) -> str:
-        return resolve_dtype(v, info.data.get("device", "cpu"))
 
     @model_validator(mode="after")
     def _cpu_tp(self) -> "VerifierSection":
@@ -208,7 +163,7 @@ class DataSection(_Strict):
         "service", description="Regeneration engine. 'service': the verifier service's engine, loaded once and "
         "reused by extract (its extract_hidden_states method adds a second token to every decode step). "
         "'dedicated': a plain vLLM engine in its own Ray actor, released before extraction; one more model load, "
-        "but decoding took 0.6x the time on CPU (benchmarks/regenerate.py). Same greedy answers either way.",
+        "but faster decoding on CPU (benchmarks/regenerate.py). Same greedy answers either way.",
     )
     max_new_tokens: int = Field(192, ge=1, description="Regeneration: new tokens per answer.")
     temperature: float = Field(0.0, ge=0, description="Regeneration sampling temperature (0 = greedy).")
@@ -219,14 +174,19 @@ class DataSection(_Strict):
     seed: int = 0
 
 
+#: Keys renamed in the extract section: old name -> new name (old names still accepted, with a warning).
+_RENAMED_EXTRACT_KEYS = {"min_actors": "min_replicas", "max_actors": "max_replicas"}
+
+
 class ExtractSection(_Strict):
     """Hidden-state extraction (stage `extract`)."""
 
     max_tokens_per_batch: int = Field(
         4096, ge=1, description="Token budget of one engine batch (prefill). Batches are never counted in samples."
     )
-    min_actors: int = Field(1, ge=1, description="Verifier replicas kept for extraction.")
-    max_actors: int = Field(1, ge=1, description="Verifier replicas at most (autoscaled).")
+    min_replicas: int = Field(1, ge=1, description="Verifier service replicas kept for extraction (Serve "
+                              "autoscaling floor; the Ray Data pool that feeds them has as many writers).")
+    max_replicas: int = Field(1, ge=1, description="Verifier service replicas at most (autoscaled from queued work).")
     storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     compression: Literal["zstd", "snappy", "none"] = "zstd"
     tmp_dir: str = Field("/dev/shm", description="Scratch directory of the engine's hidden-state connector.")
@@ -235,10 +195,24 @@ class ExtractSection(_Strict):
     max_storage_gib: float | None = Field(
         None, gt=0, description="Preflight: refuse a plan whose hidden states would exceed this much storage.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """``min_actors``/``max_actors`` (before 0.2) are read as ``min_replicas``/``max_replicas``, with a warning."""
+        if isinstance(data, dict):
+            for old, new in _RENAMED_EXTRACT_KEYS.items():
+                if old in data:
+                    if new in data:
+                        raise ValueError(f"extract.{old} is the old name of extract.{new}; set only extract.{new}")
+                    log.warning("config: extract.%s is deprecated, read as extract.%s (rename it)", old, new)
+                    data = {**{k: v for k, v in data.items() if k != old}, new: data[old]}
+        return data
+
     @model_validator(mode="after")
     def _bounds(self) -> "ExtractSection":
-        if self.min_actors > self.max_actors:
-            raise ValueError(f"extract.min_actors ({self.min_actors}) > extract.max_actors ({self.max_actors})")
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"extract.min_replicas ({self.min_replicas}) > extract.max_replicas "
+                             f"({self.max_replicas})")
         return self
 
 
@@ -274,8 +248,8 @@ class TrainSection(_Strict):
     loss_impl: Literal["eager", "fused"] = Field("eager", description="'fused' is a Triton kernel (GPU only).")
     autocast: Literal["auto", "bfloat16", "off"] = Field(
         "auto", description="Mixed precision of the draft's forward (weights and optimizer stay fp32). "
-        "'auto': bf16 on CUDA (train.use_gpu) and on CPUs with AMX-BF16 (a 512-token step 1.3x, a 1024-token "
-        "step 1.6x faster here, benchmarks/train_step_cost.py), off on other CPUs. Resolved once by the train "
+        "'auto': bf16 on CUDA (train.use_gpu) and on CPUs with AMX-BF16 (faster there: "
+        "benchmarks/train_step_cost.py), off on other CPUs. Resolved once by the train "
         "driver (from its own CPU), logged, and the same for every worker.")
     attn_impl: Literal["sdpa", "eager", "simple_flex_attention"] = Field(
         "sdpa", description="Draft attention. FlexAttention has no backward on CPU; use it on GPUs.")
@@ -313,8 +287,7 @@ class ValidateSection(_Strict):
         None, description="Compute dtype of the greedy-identity check; null = `dtype` (the same two engines). "
         "Another dtype runs a second pair of engines at it. Greedy outputs with and without the draft can "
         "only match where the verifier's numerics do not depend on how requests are batched: bf16 on CPU is "
-        "not (9 of 40 MT-Bench answers kept with 40 vs 7 sequences in flight and no draft at all), fp32 is "
-        "(benchmarks/greedy_numerics.py).")
+        "not, fp32 is (benchmarks/greedy_numerics.py).")
 
 
 class Config(_Strict):
@@ -332,10 +305,6 @@ class Config(_Strict):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
-    def section_hash(self, *names: str) -> str:
-        """sha256 (16 hex chars) of the named sections, to tell whether a stage's output matches the config."""
-        blob = json.dumps({n: getattr(self, n).model_dump(mode="json") for n in names}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
@@ -363,18 +332,30 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         key = key.strip()
         if not key:
             raise ConfigError(f"override {item!r} has an empty key")
-        parsed.append((key, yaml.safe_load(raw) if raw != "" else "")) 
+        parsed.append((key, yaml.safe_load(raw) if raw != "" else ""))
     return parsed
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config (default: the embedded ``configs/smollm2-135m-cpu.yaml``) and apply overrides.
+def resolve(cfg: Config) -> Config:
+    """The config as it runs on this machine: the one impure step (the schema itself is pure).
 
-    Raises:
-        ConfigError: unreadable file, bad YAML, unknown key or invalid value; the message names the
-            file and the dotted field.
+    - ``verifier.dtype: auto`` -> bfloat16 on CUDA and on CPUs with AMX-BF16, float32 on other CPUs
+      (:func:`eagle3ray.machine.resolve_dtype`, reading this process's CPU);
+    - ``run.storage``: a relative ``file://`` root (or bare path) becomes absolute against the working
+      directory, once, here: Ray workers run in other working directories.
+
+    Returns a new :class:`Config`; ``cfg`` is not changed. Raises nothing beyond validation errors.
     """
-    path = Path(path) if path is not None else DEFAULT_CONFIG
+    from .machine import resolve_dtype
+    from .storage import normalize_root
+
+    tree = cfg.model_dump(mode="json")
+    tree["verifier"]["dtype"] = resolve_dtype(cfg.verifier.dtype, cfg.verifier.device)
+    tree["run"]["storage"] = normalize_root(cfg.run.storage)
+    return Config.model_validate(tree)
+
+
+def _read_tree(path: Path) -> dict:
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
@@ -383,8 +364,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(tree, key, value, str(path))
+    return tree
+
+
+def _validate(tree: dict, path: Path) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
@@ -393,3 +376,103 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             field = ".".join(str(p) for p in err["loc"])
             lines.append(f"  {field}: {err['msg']}")
         raise ConfigError(f"{path}: invalid config\n" + "\n".join(lines)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                resolved: bool = True) -> Config:
+    """Read a YAML config (default: the embedded ``configs/smollm2-135m-cpu.yaml``), apply overrides, and (unless
+    ``resolved=False``) :func:`resolve` it for this machine.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, unknown key or invalid value; the message names the
+            file and the dotted field.
+    """
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    tree = _read_tree(path)
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value, str(path))
+    cfg = _validate(tree, path)
+    return resolve(cfg) if resolved else cfg
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_leaves(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _given(tree: Any, dotted: str) -> bool:
+    node = tree
+    for k in dotted.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return False
+        node = node[k]
+    return True
+
+
+def explain(path: str | Path | None = None, overrides: list[str] | None = None) -> list[dict]:
+    """Every resolved value of a config with where it came from, for ``eagle3ray config show``.
+
+    Returns rows ``{"key", "value", "source"}`` in schema order; ``source`` is ``override`` (a command-line
+    dotted override), ``yaml`` (the file), ``default`` (the schema), or ``resolved (was X)`` when
+    :func:`resolve` changed the value for this machine. A key is attributed to the innermost given value (a
+    list such as ``data.train`` counts as one value).
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+    """
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    file_tree = _read_tree(path)
+    given = [k for k, _ in parse_overrides(overrides or [])]
+    raw = load_config(path, overrides, resolved=False).model_dump(mode="json")
+    final = resolve(load_config(path, overrides, resolved=False)).model_dump(mode="json")
+    before = _leaves(raw)
+    rows = []
+    for key, value in _leaves(final).items():
+        if any(key == g or key.startswith(g + ".") for g in given):
+            source = "override"
+        elif _given(file_tree, key) or any(_given(file_tree, o) for o in _RENAMED_KEY_PATHS.get(key, ())):
+            source = "yaml"
+        else:
+            source = "default"
+        if before.get(key) != value:
+            source = f"resolved (was {before.get(key)!r})"
+        rows.append({"key": key, "value": value, "source": source})
+    return rows
+
+
+#: Dotted keys whose old names a YAML may still use (see ``_RENAMED_EXTRACT_KEYS``).
+_RENAMED_KEY_PATHS = {f"extract.{new}": (f"extract.{old}",) for old, new in _RENAMED_EXTRACT_KEYS.items()}
+
+
+def describe_keys() -> list[dict]:
+    """Every config key with its type, default and description, for ``eagle3ray config keys``.
+
+    Returns rows ``{"key", "type", "default", "description"}`` (``default`` is ``"(required)"`` for ``run.name``).
+    Descriptions come from the schema's ``Field(description=...)`` and the section docstrings.
+    """
+    from pydantic_core import PydanticUndefined
+
+    rows = []
+    for sec_name, sec_field in Config.model_fields.items():
+        section = sec_field.annotation
+        rows.append({"key": sec_name, "type": "section", "default": "",
+                     "description": " ".join((section.__doc__ or "").split())})
+        for name, f in section.model_fields.items():
+            if f.default is not PydanticUndefined:
+                default = f.default
+            elif f.default_factory is not None:
+                default = f.default_factory()
+            else:
+                default = "(required)"
+            if isinstance(default, BaseModel):
+                default = default.model_dump(mode="json")
+            elif isinstance(default, list):
+                default = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d for d in default]
+            typ = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
+            rows.append({"key": f"{sec_name}.{name}", "type": typ, "default": default,
+                         "description": f.description or ""})
+    return rows

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 from . import storage
-from .train import TRAINABLE_FILE, build_draft
+from .artifacts import load_vocab, read_best, read_export_provenance
+from .draft import TRAINABLE_FILE, build_draft
 
 
 @dataclass
@@ -65,14 +66,13 @@ def export(cfg, force: bool = False) -> ExportSummary:
     from safetensors.torch import load as st_load
 
     from .verifier import VerifierSpec
-    from .vocab import load_vocab
 
     paths = storage.run_paths(cfg)
-    best = storage.read_json(paths.fs, f"{paths.sub('checkpoints')}/best.json")
+    best = read_best(paths)
     if not best or not best.get("checkpoint"):
         raise FileNotFoundError(f"{paths.uri}/checkpoints/best.json: no trained checkpoint; run `eagle3ray train`")
     out = paths.sub("export")
-    prov = storage.read_json(paths.fs, f"{out}/provenance.json")
+    prov = read_export_provenance(paths)
     k = cfg.validation.num_speculative_tokens
     if prov and not force and prov.get("checkpoint") == best["checkpoint"] \
             and prov.get("vllm_usage", {}).get("num_speculative_tokens") == k:

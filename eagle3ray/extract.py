@@ -4,9 +4,10 @@ Pipeline (Ray Data)::
 
     conversations (not yet committed, <= max_model_len)
       -> units: consecutive samples packed up to ``extract.max_tokens_per_batch`` tokens
-      -> map_batches(BlockWriter, ActorPoolStrategy(min_actors, max_actors))
+      -> map_batches(BlockWriter, ActorPoolStrategy(min_replicas, max_replicas))
            each call: one unit -> verifier service (one engine batch) -> one Parquet block on storage
-      -> driver: commits each returned block into manifest.json (atomic rewrite), in arrival order
+      -> driver: commits each returned block into manifest.json (:class:`eagle3ray.blocks.Manifest`), in
+         arrival order
     then: loss-masked token frequencies (token_freq.safetensors), manifest marked complete.
 
 Exactly once: units are formed only from samples that no committed block holds; a block written
@@ -24,10 +25,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from . import blocks, storage
-from .prepare import read_conversations
+from .artifacts import read_conversations
+from .packing import pack_by_tokens
 from .sources import RejectCounter
 
 log = logging.getLogger(__name__)
@@ -58,24 +58,12 @@ class ExtractSummary:
 
 
 def plan_units(samples: list[dict], max_tokens: int) -> list[list[dict]]:
-    """Pack samples, in order, into units of at most ``max_tokens`` tokens.
+    """Pack samples, in order, into units of at most ``max_tokens`` tokens (:func:`eagle3ray.packing.pack_by_tokens`).
 
     A single sample longer than ``max_tokens`` (but within max_model_len) forms a unit alone; the
     engine's ``max_num_batched_tokens`` (= max_tokens) then prefills it in chunks.
     """
-    units: list[list[dict]] = []
-    cur: list[dict] = []
-    cur_tokens = 0
-    for s in samples:
-        n = len(s["input_ids"])
-        if cur and cur_tokens + n > max_tokens:
-            units.append(cur)
-            cur, cur_tokens = [], 0
-        cur.append(s)
-        cur_tokens += n
-    if cur:
-        units.append(cur)
-    return units
+    return list(pack_by_tokens(samples, max_tokens, lambda s: len(s["input_ids"])))
 
 
 class BlockWriter:
@@ -86,7 +74,7 @@ class BlockWriter:
     (or the replacement it starts). Errors raised by the engine itself (bad input) are not retried.
 
     Returns one row per unit: path (relative to hidden_states/), rows, tokens, bytes, sha256,
-    seconds (engine + write wall time), retries.
+    sample_ids (the ids written, in block order), seconds (engine + write wall time), retries.
     """
 
     def __init__(self, app: str, storage_uri: str, endpoint_url: str | None, hs_root: str,
@@ -119,7 +107,7 @@ class BlockWriter:
         raise AssertionError("unreachable")
 
     def __call__(self, batch: dict) -> dict:
-        out = {k: [] for k in ("path", "rows", "tokens", "bytes", "sha256", "seconds", "retries")}
+        out = {k: [] for k in ("path", "rows", "tokens", "bytes", "sha256", "sample_ids", "seconds", "retries")}
         for sample_ids, input_ids, loss_mask in zip(batch["sample_ids"], batch["input_ids"], batch["loss_mask"]):
             t0 = time.time()
             samples = [{"sample_id": str(s), "input_ids": [int(x) for x in i], "loss_mask": [int(x) for x in m]}
@@ -131,6 +119,7 @@ class BlockWriter:
             out["path"].append(rel)
             for k in ("rows", "tokens", "bytes", "sha256"):
                 out[k].append(entry[k])
+            out["sample_ids"].append([s["sample_id"] for s in samples])
             out["seconds"].append(time.time() - t0)
             out["retries"].append(retries)
         return out
@@ -180,8 +169,8 @@ def _written_blocks(items: list[dict], writer_kwargs: dict, cfg):
             if len(items) > 1:
                 ds = ray.data.from_items(items[1:], override_num_blocks=min(len(items) - 1, 200)).map_batches(
                     BlockWriter, fn_constructor_kwargs=writer_kwargs, batch_size=1, num_cpus=0.1,
-                    compute=ray.data.ActorPoolStrategy(min_size=cfg.extract.min_actors,
-                                                       max_size=cfg.extract.max_actors))
+                    compute=ray.data.ActorPoolStrategy(min_size=cfg.extract.min_replicas,
+                                                       max_size=cfg.extract.max_replicas))
                 for row in ds.iter_rows():
                     q.put(("row", row))
         except BaseException as e:  # noqa: BLE001
@@ -202,26 +191,68 @@ def _written_blocks(items: list[dict], writer_kwargs: dict, cfg):
             finished += 1
 
 
-def _remove_orphans(fs, hs_root: str, manifest: dict) -> int:
-    committed = {b["path"] for b in manifest["blocks"]}
-    try:
-        files = fs.ls(f"{hs_root}/blocks", detail=False)
-    except FileNotFoundError:
-        return 0
-    removed = 0
-    for f in files:
-        rel = "blocks/" + f.rstrip("/").rsplit("/", 1)[-1]
-        if rel not in committed:
-            fs.rm(f)
-            removed += 1
-    return removed
+def _todo(conv, done: set[str], max_model_len: int, rejected: RejectCounter) -> list[dict]:
+    """Conversations no committed block holds, as {sample_id, input_ids, loss_mask}; longer than
+    ``max_model_len`` tokens: counted in ``rejected`` as ``too_long``, never truncated."""
+    todo = []
+    for sid, ids, mask in zip(conv["sample_id"].to_pylist(), conv["input_ids"].to_pylist(),
+                              conv["loss_mask"].to_pylist()):
+        if sid in done:
+            continue
+        if len(ids) > max_model_len:
+            rejected.add("too_long", sid, f"{len(ids)} tokens > verifier.max_model_len {max_model_len}")
+            continue
+        todo.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask})
+    return todo
+
+
+def _units(todo: list[dict], max_tokens: int) -> list[list[dict]]:
+    """Units of ``todo``. The first is a small probe (a quarter of the budget): a job commits its first block,
+    and so proves engine, encoding, storage and manifest, after a short engine call."""
+    probe = plan_units(todo, max(1, max_tokens // 4))[:1]
+    return probe + plan_units(todo[len(probe[0]) if probe else 0:], max_tokens)
+
+
+def _commit_blocks(cfg, manifest: blocks.Manifest, rows, *, app: str, rejected: RejectCounter,
+                   summary: ExtractSummary, total: int, progress: bool, t_start: float, on_commit=None) -> None:
+    """Commit the written blocks ``rows`` (from :func:`_written_blocks`) in arrival order; progress bar, summary
+    counters and Ray metrics follow each commit."""
+    from tqdm.auto import tqdm
+
+    from . import metrics
+
+    bar = tqdm(total=total, desc="extract", unit="sample", disable=not progress)
+    t0, t_replicas, alive = time.time(), 0.0, None
+    for row in rows:
+        if not summary.blocks:
+            log.info("extract: first block written, %.2f s into the stage", time.time() - t_start)
+        summary.retries += int(row.get("retries", 0))
+        ids = [str(i) for i in row["sample_ids"]]
+        dup = manifest.commit(row, ids, rejected.to_json())
+        if dup:  # a retried unit whose first attempt was committed: keep the first
+            rejected.add("duplicate", dup[0], f"block {row['path']} repeats {len(dup)} committed samples; discarded")
+            continue
+        summary.samples += row["rows"]
+        summary.tokens += row["tokens"]
+        summary.bytes_written += row["bytes"]
+        summary.blocks += 1
+        bar.update(row["rows"])
+        tok_s = summary.tokens / max(time.time() - t0, 1e-9)
+        bar.set_postfix(tok_s=f"{tok_s:.0f}", retries=summary.retries)
+        if time.time() - t_replicas > 5:
+            alive, t_replicas = replicas_alive(app), time.time()
+        metrics.extract_commit(cfg.run.name, row["tokens"], row["rows"], int(row.get("retries", 0)), tok_s, alive)
+        if on_commit is not None:
+            on_commit(manifest.data)
+    bar.close()
+    summary.seconds = time.time() - t0
 
 
 def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
     """Run the extract stage for ``cfg``; resumes a partial run. Returns the summary.
 
     Args:
-        on_commit: optional callback ``f(manifest)`` after each committed block (tests use it to
+        on_commit: optional callback ``f(manifest dict)`` after each committed block (tests use it to
             interrupt a run at a known point).
 
     Raises:
@@ -229,10 +260,8 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
         blocks.ManifestMismatch: existing blocks were made with another verifier/layers/dtype.
         RuntimeError: the verifier service failed to start, or a unit failed after Ray's retries.
     """
-    import ray
-
-    from . import metrics
-    from .service import app_name, ensure_ray, start_for_config
+    from .machine import ensure_ray
+    from .verifier_service import app_name, start_for_config
     from .verifier import VerifierSpec
 
     t_start = time.time()
@@ -241,44 +270,25 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
     conv_man, conv = read_conversations(paths)
     spec = VerifierSpec.from_config(cfg)
     hs_root = paths.hidden_states
-    man_path = f"{hs_root}/manifest.json"
     fresh = blocks.new_manifest({**spec.model_identity, "compute_dtype": spec.dtype}, spec.layer_ids,
                                 cfg.extract.storage_dtype,
                                 {"sha256": conv_man["sha256"], "samples": conv_man["counts"]["samples"]})
-    manifest = storage.read_json(paths.fs, man_path)
+    manifest = blocks.Manifest.open(paths.fs, hs_root, fresh, f"{hs_root}/manifest.json")
     summary = ExtractSummary(path=paths.uri + "/hidden_states")
-    if manifest is not None:
-        blocks.check_compatible(manifest, fresh, man_path)
-        if manifest.get("complete"):
-            summary.skipped = True
-            summary.total_samples = manifest["counts"]["samples"]
-            summary.total_tokens = manifest["counts"]["tokens"]
-            summary.rejected = manifest["rejected"]
-            return summary
-    else:
-        manifest = fresh
-    summary.orphans_removed = _remove_orphans(paths.fs, hs_root, manifest)
-    done = set(blocks.committed_sample_ids(paths.fs, hs_root, manifest))
+    if manifest.complete:
+        summary.skipped = True
+        summary.total_samples, summary.total_tokens = manifest.counts["samples"], manifest.counts["tokens"]
+        summary.rejected = manifest.data["rejected"]
+        return summary
+    summary.orphans_removed = manifest.remove_orphans()
+    done = manifest.committed_ids()
     summary.resumed_from = len(done)
-
     rejected = RejectCounter()
-    todo = []
-    for sid, ids, mask in zip(conv["sample_id"].to_pylist(), conv["input_ids"].to_pylist(),
-                              conv["loss_mask"].to_pylist()):
-        if sid in done:
-            continue
-        if len(ids) > cfg.verifier.max_model_len:
-            rejected.add("too_long", sid, f"{len(ids)} tokens > verifier.max_model_len {cfg.verifier.max_model_len}")
-            continue
-        todo.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask})
-    manifest["rejected"] = {"prepare": conv_man.get("rejected", {}), "extract": rejected.to_json()}
-    storage.write_json_atomic(paths.fs, man_path, manifest)
+    todo = _todo(conv, done, cfg.verifier.max_model_len, rejected)
+    manifest.set_rejected(conv_man.get("rejected", {}), rejected.to_json())
 
     log.info("extract: %d samples to do, %.2f s into the stage", len(todo), time.time() - t_start)
-    # the first unit is a small probe (a quarter of the budget): a job commits its first block, and so
-    # proves engine, encoding, storage and manifest, after a short engine call
-    probe = plan_units(todo, max(1, cfg.extract.max_tokens_per_batch // 4))[:1]
-    units = probe + plan_units(todo[len(probe[0]) if probe else 0:], cfg.extract.max_tokens_per_batch)
+    units = _units(todo, cfg.extract.max_tokens_per_batch)
     summary.batch_tokens_max = max((sum(len(s["input_ids"]) for s in u) for u in units), default=0)
     if units:
         ensure_ray(cfg)
@@ -289,72 +299,14 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
         writer_kwargs = dict(app=app_name(spec), storage_uri=cfg.run.storage, endpoint_url=cfg.run.endpoint_url,
                              hs_root=hs_root, storage_dtype=cfg.extract.storage_dtype,
                              compression=cfg.extract.compression, max_retries=cfg.extract.max_unit_retries)
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(len(u) for u in units), desc="extract", unit="sample", disable=not progress)
-        t0 = time.time()
-        committed = done
-        app, t_replicas, alive = app_name(spec), 0.0, None
-        for row in _written_blocks(items, writer_kwargs, cfg):
-            if not summary.blocks:
-                log.info("extract: first block written, %.2f s into the stage", time.time() - t_start)
-            path = row["path"]
-            summary.retries += int(row.get("retries", 0))
-            ids = blocks.committed_sample_ids(paths.fs, hs_root, {"blocks": [{"path": path}]})
-            dup = [i for i in ids if i in committed]
-            if dup:  # a retried unit whose first attempt was committed: keep the first
-                rejected.add("duplicate", dup[0], f"block {path} repeats {len(dup)} committed samples; discarded")
-                paths.fs.rm(f"{hs_root}/{path}")
-                continue
-            committed.update(ids)
-            entry = {k: row[k] for k in ("path", "rows", "tokens", "bytes", "sha256")}
-            manifest["blocks"].append(entry)
-            c = manifest["counts"]
-            c["samples"] += entry["rows"]
-            c["tokens"] += entry["tokens"]
-            c["bytes"] += entry["bytes"]
-            manifest["rejected"]["extract"] = rejected.to_json()
-            storage.write_json_atomic(paths.fs, man_path, manifest)
-            summary.samples += entry["rows"]
-            summary.tokens += entry["tokens"]
-            summary.bytes_written += entry["bytes"]
-            summary.blocks += 1
-            bar.update(entry["rows"])
-            tok_s = summary.tokens / max(time.time() - t0, 1e-9)
-            bar.set_postfix(tok_s=f"{tok_s:.0f}", retries=summary.retries)
-            if time.time() - t_replicas > 5:
-                alive, t_replicas = replicas_alive(app), time.time()
-            metrics.extract_commit(cfg.run.name, entry["tokens"], entry["rows"], int(row.get("retries", 0)), tok_s,
-                                   alive)
-            if on_commit is not None:
-                on_commit(manifest)
-        bar.close()
-        summary.seconds = time.time() - t0
+        _commit_blocks(cfg, manifest, _written_blocks(items, writer_kwargs, cfg), app=writer_kwargs["app"],
+                       rejected=rejected, summary=summary, total=sum(len(u) for u in units), progress=progress,
+                       t_start=t_start, on_commit=on_commit)
         # blocks of attempts that died after writing (their unit was redone): not in the manifest, removed
-        summary.orphans_removed_end = _remove_orphans(paths.fs, hs_root, manifest)
+        summary.orphans_removed_end = manifest.remove_orphans()
 
-    vocab_size = spec.model_identity["vocab_size"]
-    freq = blocks.token_frequencies(paths.fs, hs_root, manifest, vocab_size)
-    from safetensors.numpy import save as st_save
-
-    storage.write_bytes_atomic(paths.fs, f"{hs_root}/token_freq.safetensors", st_save({"counts": freq}))
-    manifest["counts"]["loss_tokens"] = int(freq.sum())
-    manifest["token_freq"] = "token_freq.safetensors"
-    manifest["rejected"]["extract"] = rejected.to_json()
-    manifest["retries"] = manifest.get("retries", 0) + summary.retries
-    manifest["complete"] = True
-    manifest["completed_at"] = time.time()
-    storage.write_json_atomic(paths.fs, man_path, manifest)
+    manifest.finish(spec.model_identity["vocab_size"], rejected.to_json(), summary.retries)
     summary.wall_seconds = time.time() - t_start
-    summary.total_samples = manifest["counts"]["samples"]
-    summary.total_tokens = manifest["counts"]["tokens"]
-    summary.rejected = manifest["rejected"]
+    summary.total_samples, summary.total_tokens = manifest.counts["samples"], manifest.counts["tokens"]
+    summary.rejected = manifest.data["rejected"]
     return summary
-
-
-def load_token_frequencies(paths: storage.RunPaths) -> np.ndarray:
-    """Loss-masked token counts [V] written by a complete extract."""
-    from safetensors.numpy import load as st_load
-
-    with paths.fs.open(f"{paths.hidden_states}/token_freq.safetensors", "rb") as f:
-        return st_load(f.read())["counts"]

@@ -6,7 +6,7 @@
    ``config.json`` (``text_config`` resolved for nested/multimodal configs): hidden size, heads, KV heads,
    ``head_dim`` (``train.draft_head_dim`` > the verifier's explicit ``head_dim`` > hidden/heads), vocab and
    draft vocab sizes, aux layer ids within depth, and the tensor shapes vLLM will allocate
-   (:func:`eagle3ray.check.expected_shapes`). Verifiers whose architecture speculators/vLLM have no EAGLE-3
+   (:func:`eagle3ray.draft.expected_shapes`). Verifiers whose architecture speculators/vLLM have no EAGLE-3
    layer for (e.g. DeepSeek-V3/Kimi-K2 MLA+MoE) get a Llama decoder layer, as the published Kimi-K2 drafts do.
 2. **vLLM acceptance.** vLLM's own speculators-config hook (``update_eagle3``) is run on the draft config;
    model types it rejects, heads that tensor parallelism cannot split, and aux ids outside the verifier
@@ -32,20 +32,15 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from .check import expected_shapes, text_config
-from .config import cpu_bf16_is_fast
+from .machine import cpu_bf16_is_fast
+from .draft import (DRAFT_LAYER_TYPES, draft_config_dict, expected_shapes, read_config_json, resolve_head_dim,
+                    resolve_layer_ids, text_config)
 
 GIB = 1024**3
 #: CUDA context, NCCL buffers, CUDA-graph pool, allocator slack per GPU (GiB). Measured values on H100s with
 #: vLLM are 1.5-3 GiB; 3 is the conservative end.
 RUNTIME_OVERHEAD_GIB = 3.0
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: Decoder-layer types both speculators (model_definitions) and vLLM (``update_eagle3``) have an EAGLE-3 layer for.
-DRAFT_LAYER_TYPES = ("llama", "qwen3")
-#: Fields a Llama decoder layer reads, copied from a verifier of another architecture.
-_LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-               "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
-               "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
 class PreflightError(ValueError):
@@ -96,67 +91,13 @@ def read_verifier_json(path: str) -> dict:
     Raises:
         PreflightError: not found or not JSON; names the path and ``verifier.config_path``.
     """
-    import fsspec
-
     try:
-        with fsspec.open(path, "rb") as f:
-            return json.loads(f.read())
+        return read_config_json(path)
     except FileNotFoundError:
         raise PreflightError(f"verifier config {path}: not found. For a hub id, set verifier.config_path to a "
                              "copy of its config.json (configs/verifiers/ has the shipped ones)") from None
     except json.JSONDecodeError as e:
         raise PreflightError(f"verifier config {path}: not JSON ({e})") from None
-
-
-def resolve_head_dim(t: dict, override: int | None) -> tuple[int, str]:
-    """(head_dim, where it came from): ``train.draft_head_dim`` > the verifier's explicit ``head_dim`` >
-    hidden_size / num_attention_heads. MLA verifiers (``kv_lora_rank``) carry a ``head_dim`` for RoPE only
-    (transformers sets it to ``qk_rope_head_dim``), so it is not taken from them."""
-    if override:
-        return override, "train.draft_head_dim"
-    if t.get("head_dim") and not t.get("kv_lora_rank"):
-        return int(t["head_dim"]), "verifier config head_dim"
-    return t["hidden_size"] // t["num_attention_heads"], "hidden_size / num_attention_heads"
-
-
-def draft_layer_config(verifier_text: dict, num_draft_layers: int, head_dim_override: int | None = None) -> dict:
-    """The draft's decoder-layer config (speculators ``transformer_layer_config``) for a verifier.
-
-    Llama and Qwen3 verifiers keep their own config (depth set to ``num_draft_layers``); any other
-    architecture gets a Llama layer with the verifier's hidden size, heads, KV heads, MLP width
-    (the dense ``intermediate_size`` for MoE verifiers), vocabulary, norm epsilon and RoPE settings.
-    ``head_dim`` is always written explicitly (see :func:`resolve_head_dim`).
-
-    Returns:
-        A config dict that ``transformers.AutoConfig.for_model(**d)`` accepts (``model_type`` llama or qwen3).
-    """
-    t = verifier_text
-    hd, _ = resolve_head_dim(t, head_dim_override)
-    if t.get("model_type") in DRAFT_LAYER_TYPES:
-        d = {k: v for k, v in t.items() if k not in ("quantization_config", "architectures", "auto_map")}
-    else:
-        d = {k: t[k] for k in _LLAMA_KEYS if t.get(k) is not None}
-        d.update(model_type="llama", attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
-        d.setdefault("num_key_value_heads", t["num_attention_heads"])
-    d["num_hidden_layers"] = num_draft_layers
-    d["head_dim"] = hd
-    return d
-
-
-def draft_config_dict(cfg, vtext: dict, layer_ids: list[int]) -> dict:
-    """The speculators-format draft ``config.json`` fields vLLM reads (what export will write)."""
-    layer = draft_layer_config(vtext, cfg.train.num_draft_layers, cfg.train.draft_head_dim)
-    return {
-        "speculators_model_type": "eagle3",
-        "architectures": ["Eagle3Speculator"],
-        "transformer_layer_config": layer,
-        "draft_vocab_size": cfg.vocab.draft_vocab_size,
-        "norm_before_residual": cfg.train.norm_before_residual,
-        "norm_before_fc": cfg.train.norm_before_fc,
-        "norm_output": cfg.train.norm_output,
-        "target_hidden_size": vtext["hidden_size"],
-        "eagle_aux_hidden_state_layer_ids": list(layer_ids[:-1]),
-    }
 
 
 # ----------------------------------------------------------------------------------------------- weights
@@ -385,9 +326,9 @@ def required_resources(cfg) -> dict:
     return {
         "verifier_replica": replica, "replica_bundles": [{"GPU": 1}] * v.num_gpus if v.num_gpus else [],
         "placement_strategy": "STRICT_PACK" if v.num_gpus else None,
-        "min_replicas": e.min_actors, "max_replicas": e.max_actors,
+        "min_replicas": e.min_replicas, "max_replicas": e.max_replicas,
         "train_worker": worker, "train_workers": tr.num_workers,
-        "gpus_extract_min": v.num_gpus * e.min_actors, "gpus_extract_max": v.num_gpus * e.max_actors,
+        "gpus_extract_min": v.num_gpus * e.min_replicas, "gpus_extract_max": v.num_gpus * e.max_replicas,
         "gpus_train": worker["GPU"] * tr.num_workers,
     }
 
@@ -405,7 +346,7 @@ def check_cluster(req: dict, nodes: list[dict]) -> list[str]:
         slots = sum(int(r.get("GPU", 0)) // tp for r in alive)
         if slots < req["min_replicas"]:
             biggest = max((int(r.get("GPU", 0)) for r in alive), default=0)
-            out.append(f"extract.min_actors {req['min_replicas']}: each verifier replica needs {tp} GPUs on one node "
+            out.append(f"extract.min_replicas {req['min_replicas']}: each verifier replica needs {tp} GPUs on one node "
                        f"(STRICT_PACK); the cluster has room for {slots} (largest node: {biggest} GPUs)")
     total_gpu = sum(r.get("GPU", 0) for r in alive)
     if req["gpus_train"] > total_gpu:
@@ -414,7 +355,7 @@ def check_cluster(req: dict, nodes: list[dict]) -> list[str]:
     total_cpu = sum(r.get("CPU", 0) for r in alive)
     need_cpu = req["verifier_replica"]["CPU"] * req["min_replicas"]
     if need_cpu > total_cpu:
-        out.append(f"verifier.num_cpus x extract.min_actors = {need_cpu:g} CPUs; the cluster has {total_cpu:g}")
+        out.append(f"verifier.num_cpus x extract.min_replicas = {need_cpu:g} CPUs; the cluster has {total_cpu:g}")
     return out
 
 
@@ -427,8 +368,6 @@ def preflight(cfg, config_name: str = "", nodes: list[dict] | None = None) -> Pr
     Raises:
         PreflightError: the verifier's config.json cannot be read.
     """
-    from .verifier import resolve_layer_ids
-
     rep = PreflightReport(config=config_name)
     vpath = verifier_config_path(cfg)
     raw = read_verifier_json(vpath)

@@ -21,22 +21,14 @@ import time
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from . import storage
+from .artifacts import CONV_SCHEMA
 from .chat import ChatTemplateError, tokenize_conversation, tokenizer_identity
 from .sources import Record, RejectCounter, eval_prompts, iter_source, normalize_text
 
 log = logging.getLogger(__name__)
-
-CONV_SCHEMA = pa.schema([
-    ("sample_id", pa.string()),
-    ("source", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-    ("num_tokens", pa.int32()),
-])
 
 
 @dataclass
@@ -125,7 +117,7 @@ def answer_engine(cfg, spec):
     """The engine that regenerates answers (``data.regenerate_engine``), as ``generate(prompts, seed) -> texts``.
 
     ``service``: the verifier service (started or reused; it stays up for extraction). ``dedicated``: a
-    plain vLLM engine (:class:`eagle3ray.serving.ServingEngine`, in-process on CPU with TP 1) in a Ray
+    plain vLLM engine (:class:`eagle3ray.serving_engine.ServingEngine`, in-process on CPU with TP 1) in a Ray
     actor with the verifier's resources, killed on exit so that extraction has the cores or GPUs. The
     stand-in engine (``verifier.engine: stand_in``) always goes through the service.
 
@@ -136,13 +128,13 @@ def answer_engine(cfg, spec):
 
     v, d = cfg.verifier, cfg.data
     if d.regenerate_engine == "service" or v.engine == "stand_in":
-        from .service import start_for_config
+        from .verifier_service import start_for_config
 
         handle = start_for_config(cfg)
         yield lambda prompts, seed: [o["text"] for o in handle.generate.remote(
             prompts, d.max_new_tokens, d.temperature, seed).result()]
         return
-    from .serving import ServingEngine
+    from .serving_engine import ServingEngine
 
     opts = {"num_cpus": v.num_cpus, **({"num_gpus": v.num_gpus} if v.num_gpus else {})}
     t0 = time.time()
@@ -239,7 +231,7 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
     rejected = RejectCounter()
     records = collect_records(cfg, rejected, tokenizer)
     if cfg.data.regenerate:
-        from .service import ensure_ray
+        from .machine import ensure_ray
 
         ensure_ray(cfg)
         with answer_engine(cfg, spec) as generate:
@@ -260,9 +252,7 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
         rows["loss_mask"].append(mask)
         rows["num_tokens"].append(len(ids))
     table = pa.table(rows, schema=CONV_SCHEMA)
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
-    buf = sink.getvalue().to_pybytes()
+    buf = storage.parquet_bytes(table, "zstd")
     storage.write_bytes_atomic(paths.fs, f"{paths.conversations}/conversations.parquet", buf)
     tokens = sum(rows["num_tokens"])
     loss_tokens = sum(sum(m) for m in rows["loss_mask"])
@@ -279,16 +269,3 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
                           bytes_written=len(buf), regenerated=cfg.data.regenerate, rejected=rejected,
                           path=paths.uri + "/conversations")
 
-
-def read_conversations(paths: storage.RunPaths) -> tuple[dict, pa.Table]:
-    """The conversations manifest and table of a run.
-
-    Raises:
-        FileNotFoundError: prepare has not completed for this run.
-    """
-    man = storage.read_json(paths.fs, f"{paths.conversations}/manifest.json")
-    if not man or not man.get("complete"):
-        raise FileNotFoundError(f"{paths.uri}/conversations: no complete manifest; run `eagle3ray prepare` first")
-    with paths.fs.open(f"{paths.conversations}/{man['file']}", "rb") as f:
-        table = pq.read_table(f)
-    return man, table

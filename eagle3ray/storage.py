@@ -67,6 +67,28 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
         fs.pipe_file(path, data)
 
 
+def append_line(fs: fsspec.AbstractFileSystem, path: str, line: str) -> None:
+    """Append ``line`` and a newline to a text file (created when missing).
+
+    Local files are opened for append and fsynced, so the cost does not grow with the file. Object stores have
+    no append: the object is read and written again whole (one PUT, readers see the old or the new object).
+    A reader should ignore a last line without its newline (a local append cut short by a crash).
+    """
+    data = (line + "\n").encode()
+    if is_local(fs):
+        fs.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return
+    old = b""
+    if fs.exists(path):
+        with fs.open(path, "rb") as f:
+            old = f.read()
+    fs.pipe_file(path, old + data)
+
+
 def write_json_atomic(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
     write_bytes_atomic(fs, path, json.dumps(obj, indent=1, sort_keys=False).encode())
 
@@ -80,15 +102,11 @@ def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any | None:
         return None
 
 
-def write_table_atomic(
-    fs: fsspec.AbstractFileSystem, path: str, table: pa.Table, compression: str = "zstd"
-) -> int:
-    """Write a Parquet file atomically; returns its size in bytes."""
+def parquet_bytes(table: pa.Table, compression: str = "zstd") -> bytes:
+    """A Parquet file's bytes for ``table`` (``compression``: zstd, snappy or none)."""
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression=None if compression == "none" else compression)
-    buf = sink.getvalue().to_pybytes()
-    write_bytes_atomic(fs, path, buf)
-    return len(buf)
+    return sink.getvalue().to_pybytes()
 
 
 def arrow_filesystem(fs: fsspec.AbstractFileSystem) -> pafs.FileSystem:

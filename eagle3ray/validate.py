@@ -1,6 +1,6 @@
 """Stage ``validate``: vLLM with the exported EAGLE-3 draft vs without it, on held-out prompts.
 
-Two serving actors (:class:`eagle3ray.serving.ServingEngine` in Ray actors), one after the other
+Two serving actors (:class:`eagle3ray.serving_engine.ServingEngine` in Ray actors), one after the other
 so that they never compete for the same cores or GPUs: the verifier with
 ``speculative_config={"method": "eagle3", "model": <export>, "num_speculative_tokens": k}``, then
 the verifier alone, both on the same prompts with the same sampling settings (temperature 0 by
@@ -29,6 +29,7 @@ import tempfile
 import time
 
 from . import storage
+from .artifacts import read_export_provenance, read_metrics
 from .sources import read_chat, read_mtbench, Record
 
 log = logging.getLogger(__name__)
@@ -124,14 +125,14 @@ def validate(cfg, force: bool = False) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from .config import resolve_dtype
-    from .serving import ServingEngine, acceptance
-    from .service import ensure_ray, refuse_if_pinned_differs
-    from .train import read_metrics
+    from .machine import resolve_dtype
+    from .serving_engine import ServingEngine, acceptance
+    from .machine import ensure_ray
+    from .verifier_service import refuse_if_pinned_differs
     from .verifier import VerifierSpec
 
     paths = storage.run_paths(cfg)
-    prov = storage.read_json(paths.fs, f"{paths.sub('export')}/provenance.json")
+    prov = read_export_provenance(paths)
     if not prov:
         raise FileNotFoundError(f"{paths.uri}/export: no finished export; run `eagle3ray export`")
     rep_path = f"{paths.sub('reports')}/validate.json"

@@ -8,7 +8,7 @@
 - ``generate(prompts, ...)``: ordinary decoding on the same engine (self-distillation answers).
 
 How it is hosted (a Ray Serve deployment, long-lived and shared between jobs) lives in
-:mod:`eagle3ray.service`.
+:mod:`eagle3ray.verifier_service`.
 
 Layer-id convention (vLLM ``eagle_aux_hidden_state_layer_ids``, speculators): id ``i`` is the
 *input* of decoder layer ``i``, i.e. transformers' ``hidden_states[i]`` for ``i < L``; id ``L``
@@ -29,47 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .serving import cpu_engine_options, engine_threads, pin_threads
+from .blocks import STORAGE_DTYPES, to_storage_bytes
+from .draft import normalized_text_config, resolve_layer_ids
+from .serving_engine import cpu_engine_options, engine_threads, pin_threads
 
 log = logging.getLogger(__name__)
 
-_STORAGE_DTYPES = {"bfloat16", "float16", "float32"}
-
-
 class VerifierError(RuntimeError):
     """The verifier produced something that cannot be right (wrong tokens, NaN, wrong shape)."""
-
-
-def read_verifier_config(model_path: str) -> dict:
-    """The text model's config (``text_config`` resolved for multimodal/nested configs), as a dict.
-
-    Reads ``config.json`` only (no weights).
-    """
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_path)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return text.to_dict()
-
-
-def resolve_layer_ids(aux_layer_ids: list[int] | None, num_hidden_layers: int) -> list[int]:
-    """Auxiliary layer ids plus the final pre-norm id ``num_hidden_layers``.
-
-    Default auxiliary ids follow speculators' ``resolve_target_layer_ids``: [2, L//2, L-3].
-
-    Raises:
-        ValueError: ids out of [0, L), duplicated, or the final id given explicitly.
-    """
-    L = num_hidden_layers
-    aux = list(aux_layer_ids) if aux_layer_ids is not None else [2, L // 2, L - 3]
-    if L in aux:
-        raise ValueError(f"verifier.aux_layer_ids: {L} (= num_hidden_layers) is the final pre-norm state and is "
-                         "appended automatically; list only the auxiliary layers")
-    bad = [i for i in aux if not 0 <= i < L]
-    if bad or len(set(aux)) != len(aux):
-        raise ValueError(f"verifier.aux_layer_ids {aux}: each id must be unique and in [0, {L}) "
-                         f"for a verifier with {L} layers (bad: {bad or 'duplicates'})")
-    return aux + [L]
 
 
 @dataclass
@@ -130,7 +97,7 @@ _IDENTITY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "sp
 
 
 def _compute_identity(path: str) -> dict:
-    hf = read_verifier_config(path)
+    hf = normalized_text_config(path)
     ident = {
         "config_hash": hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode()).hexdigest()[:16],
         "num_hidden_layers": hf["num_hidden_layers"],
@@ -172,24 +139,6 @@ def model_identity(path: str, cache_dir: str | os.PathLike = "~/.cache/eagle3ray
     except OSError as e:  # a read-only home only costs the speed-up
         log.debug("identity cache not written: %s", e)
     return ident
-
-
-def to_storage_bytes(states, storage_dtype: str) -> bytes:
-    """Encode a torch tensor [T, L, H] as raw little-endian bytes of ``storage_dtype``."""
-    import torch
-
-    t = states.to(getattr(torch, storage_dtype)).contiguous()
-    if storage_dtype == "bfloat16":
-        return t.view(torch.int16).numpy().tobytes()
-    return t.numpy().tobytes()
-
-
-def from_storage_bytes(buf: bytes, shape, storage_dtype: str):
-    """Decode bytes written by :func:`to_storage_bytes` into a float32 numpy array of ``shape``."""
-    if storage_dtype == "bfloat16":
-        raw = np.frombuffer(buf, dtype=np.uint16).astype(np.uint32) << 16
-        return raw.view(np.float32).reshape(shape)
-    return np.frombuffer(buf, dtype=np.dtype(storage_dtype)).astype(np.float32).reshape(shape)
 
 
 class _EngineCounters:
@@ -293,8 +242,8 @@ class VerifierEngine(_EngineCounters):
             load_hidden_states,
         )
 
-        if storage_dtype not in _STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype {storage_dtype!r} not in {sorted(_STORAGE_DTYPES)}")
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype {storage_dtype!r} not in {sorted(STORAGE_DTYPES)}")
         for s in samples:
             if len(s["input_ids"]) > self.spec.max_model_len:
                 raise VerifierError(f"sample {s['sample_id']}: {len(s['input_ids'])} tokens > max_model_len")

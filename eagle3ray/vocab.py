@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import storage
-from .extract import load_token_frequencies
+from .artifacts import load_token_frequencies, read_vocab_meta
 
 
 @dataclass
@@ -47,7 +47,7 @@ def build_vocab(cfg, force: bool = False) -> VocabSummary:
         raise ValueError(f"vocab.draft_vocab_size {Vd} > verifier vocabulary {V}")
     freq_hash = hashlib.sha256(freq.tobytes()).hexdigest()[:16]
     meta_path = f"{paths.sub('vocab')}/vocab.json"
-    old = storage.read_json(paths.fs, meta_path)
+    old = read_vocab_meta(paths)
     if old and not force and old.get("draft_vocab_size") == Vd and old.get("token_freq_sha256") == freq_hash:
         return VocabSummary(Vd, V, old["coverage"], paths.uri + "/vocab", skipped=True)
     d2t, t2d = build_vocab_mappings_from_distribution({int(i): int(c) for i, c in enumerate(freq) if c}, Vd, V)
@@ -60,11 +60,3 @@ def build_vocab(cfg, force: bool = False) -> VocabSummary:
     })
     return VocabSummary(Vd, V, coverage, paths.uri + "/vocab")
 
-
-def load_vocab(paths: storage.RunPaths):
-    """(d2t [Vd] int64, t2d [V] bool) torch tensors of a run."""
-    from safetensors.torch import load as st_load
-
-    with paths.fs.open(f"{paths.sub('vocab')}/vocab.safetensors", "rb") as f:
-        d = st_load(f.read())
-    return d["d2t"], d["t2d"]

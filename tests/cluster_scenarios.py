@@ -52,7 +52,7 @@ def write_config(workdir: Path, verifier_dir: str, data: Path, **sections) -> Pa
         "verifier": {"model": verifier_dir, "aux_layer_ids": [2, 4, 5], "max_model_len": 512, "engine": "stand_in",
                      "num_cpus": 0, "ray_resources": {"verifier_slot": 1}, "stand_in_tokens_per_s": 400},
         "data": {"train": [{"kind": "chat", "path": str(data)}], "eval": [{"kind": "mtbench"}]},
-        "extract": {"max_tokens_per_batch": 256, "min_actors": 1, "max_actors": 2, "max_unit_retries": 5},
+        "extract": {"max_tokens_per_batch": 256, "min_replicas": 1, "max_replicas": 2, "max_unit_retries": 5},
         "vocab": {"draft_vocab_size": 512},
         "train": {"num_workers": 1, "cpus_per_worker": 0.5, "max_steps": 4, "checkpoint_every": 2,
                   "max_tokens_per_batch": 256, "warmup_steps": 1, "val_fraction": 0.2},
@@ -114,7 +114,8 @@ def placement(args) -> dict:
     from ray import serve
 
     from eagle3ray.config import load_config
-    from eagle3ray.service import ensure_ray, start_for_config
+    from eagle3ray.machine import ensure_ray
+    from eagle3ray.verifier_service import start_for_config
 
     workdir = Path(args.workdir)
     cluster = start_cluster(head_cpus=2)
@@ -122,7 +123,7 @@ def placement(args) -> dict:
     gpu4 = add_node(cluster, num_cpus=1, num_gpus=4)
     cfg_path = write_config(workdir, args.verifier, write_data(workdir / "d.jsonl", 4),
                             verifier={"device": "cuda", "tensor_parallel_size": 8, "num_cpus": 0.5, "ray_resources": {}},
-                            extract={"min_actors": 2, "max_actors": 2})
+                            extract={"min_replicas": 2, "max_replicas": 2})
     cfg = load_config(cfg_path, [f"ray.address={cluster.address}"])
     ensure_ray(cfg)
     err: list = []
@@ -254,7 +255,7 @@ def node_kill(args) -> dict:
                 want = StandInEngine.states(row["input_ids"], row["num_layers"], row["hidden_size"])
                 if abs(blocks.decode_states(row) - want).max() > 1e-2:
                     mismatched += 1
-    from eagle3ray.prepare import read_conversations
+    from eagle3ray.artifacts import read_conversations
 
     prepared_ids = read_conversations(paths)[1]["sample_id"].to_pylist()
     replicas_after = serve_replicas()

@@ -79,7 +79,7 @@ def make_cfg(tmp_path, tiny_verifier):
                          "cpu_kv_cache_gib": 1, "num_cpus": 0.5},
             "data": {"train": [{"kind": "chat", "path": str(p)} for p in train_files],
                      "eval": [{"kind": "mtbench"}]},
-            "extract": {"max_tokens_per_batch": 512, "min_actors": 1, "max_actors": 1},
+            "extract": {"max_tokens_per_batch": 512, "min_replicas": 1, "max_replicas": 1},
         }))
         return load_config(cfg_path, list(overrides))
 

@@ -97,7 +97,7 @@ def test_each_gpu_config_fits_the_cluster_shape(cfg_path):
         nodes = _nodes(_cluster_spec(d))
         assert check_cluster(required_resources(cfg), nodes) == [], (d["kind"], cfg_path.name)
         gpu_nodes = [n for n in nodes if n["Resources"]["GPU"]]
-        assert len(gpu_nodes) >= cfg.extract.max_actors, "extract.max_actors needs one GPU node per replica"
+        assert len(gpu_nodes) >= cfg.extract.max_replicas, "extract.max_replicas needs one GPU node per replica"
 
 
 def test_rayjob_entrypoint_exists_and_passes_preflight():

@@ -29,26 +29,39 @@ def test_bad_keys_and_values_name_the_field(override, field):
 
 
 def test_cross_field_rules():
-    with pytest.raises(ConfigError, match="min_actors"):
-        load_config(None, ["extract.min_actors=3", "extract.max_actors=2"])
+    with pytest.raises(ConfigError, match="min_replicas"):
+        load_config(None, ["extract.min_replicas=3", "extract.max_replicas=2"])
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         load_config(None, ["verifier.tensor_parallel_size=2"])  # CPU engines are TP=1
     cfg = load_config(None, ["verifier.device=cuda", "verifier.tensor_parallel_size=8", "verifier.dtype=bfloat16"])
     assert cfg.verifier.num_gpus == 8
 
 
+def test_old_replica_key_names_are_read_with_a_warning(tmp_path, caplog):
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({"run": {"name": "r"}, "extract": {"min_actors": 2, "max_actors": 3}}))
+    with caplog.at_level("WARNING"):
+        cfg = load_config(old)
+    assert (cfg.extract.min_replicas, cfg.extract.max_replicas) == (2, 3)
+    assert "extract.min_actors is deprecated" in caplog.text
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump({"run": {"name": "r"}, "extract": {"min_actors": 2, "min_replicas": 2}}))
+    with pytest.raises(ConfigError, match="old name of extract.min_replicas"):
+        load_config(both)
+
+
 def test_auto_dtype_follows_the_device_and_the_cpu(tmp_path, monkeypatch):
-    from eagle3ray import config
+    from eagle3ray import config, machine
 
     amx, avx2 = tmp_path / "amx", tmp_path / "avx2"
     amx.write_text("processor : 0\nflags : fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
     avx2.write_text("processor : 0\nflags : fpu avx2 fma\n")
-    assert config.cpu_bf16_is_fast(amx) and not config.cpu_bf16_is_fast(avx2)
-    assert not config.cpu_bf16_is_fast(tmp_path / "missing")
-    monkeypatch.setattr(config, "cpu_bf16_is_fast", lambda: False)
+    assert machine.cpu_bf16_is_fast(amx) and not machine.cpu_bf16_is_fast(avx2)
+    assert not machine.cpu_bf16_is_fast(tmp_path / "missing")
+    monkeypatch.setattr(machine, "cpu_bf16_is_fast", lambda: False)
     assert load_config(None, ["verifier.dtype=auto"]).verifier.dtype == "float32"
     assert load_config(None, ["verifier.dtype=auto", "verifier.device=cuda"]).verifier.dtype == "bfloat16"
-    monkeypatch.setattr(config, "cpu_bf16_is_fast", lambda: True)
+    monkeypatch.setattr(machine, "cpu_bf16_is_fast", lambda: True)
     cfg = load_config(None, ["verifier.dtype=auto"])
     assert cfg.verifier.dtype == "bfloat16"
     assert yaml.safe_load(cfg.to_yaml())["verifier"]["dtype"] == "bfloat16"  # the resolved config records it
@@ -56,13 +69,16 @@ def test_auto_dtype_follows_the_device_and_the_cpu(tmp_path, monkeypatch):
     no_key = tmp_path / "no_dtype.yaml"
     no_key.write_text(yaml.safe_dump({"run": {"name": "r"}}))
     assert load_config(no_key).verifier.dtype == "bfloat16"
-    monkeypatch.setattr(config, "cpu_bf16_is_fast", lambda: False)
+    monkeypatch.setattr(machine, "cpu_bf16_is_fast", lambda: False)
     assert load_config(no_key).verifier.dtype == "float32"
-    assert config.VerifierSection().dtype == "float32"
-    assert config.resolve_autocast("auto", "cpu") is False and config.resolve_autocast("auto", "cuda") is True
-    assert config.resolve_autocast("bfloat16", "cpu") is True and config.resolve_autocast("off", "cuda") is False
-    monkeypatch.setattr(config, "cpu_bf16_is_fast", lambda: True)
-    assert config.resolve_autocast("auto", "cpu") is True
+    # the schema itself is pure: 'auto' stays 'auto' until resolve() (which load_config calls)
+    assert config.VerifierSection().dtype == "auto"
+    assert load_config(no_key, resolved=False).verifier.dtype == "auto"
+    assert config.resolve(load_config(no_key, resolved=False)).verifier.dtype == "float32"
+    assert machine.resolve_autocast("auto", "cpu") is False and machine.resolve_autocast("auto", "cuda") is True
+    assert machine.resolve_autocast("bfloat16", "cpu") is True and machine.resolve_autocast("off", "cuda") is False
+    monkeypatch.setattr(machine, "cpu_bf16_is_fast", lambda: True)
+    assert machine.resolve_autocast("auto", "cpu") is True
     assert load_config(None, ["verifier.dtype=float32"]).verifier.dtype == "float32"
 
 
@@ -74,7 +90,7 @@ def test_missing_file_and_bad_override():
 
 
 def test_layer_ids_default_and_validation():
-    from eagle3ray.verifier import resolve_layer_ids
+    from eagle3ray.draft import resolve_layer_ids
 
     assert resolve_layer_ids(None, 30) == [2, 15, 27, 30]  # speculators' default + final pre-norm
     assert resolve_layer_ids([2, 30, 58], 61) == [2, 30, 58, 61]  # Kimi-K2.5's aux layers

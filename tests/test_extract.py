@@ -88,7 +88,7 @@ def test_states_match_transformers_per_layer_in_shared_batches(ray_session, tmp_
             assert err <= 1e-2 * scale + 1e-3, f"{r['sample_id']} layer {lid}: max err {err} (scale {scale})"
     # Loss-masked token frequencies agree with the stored masks.
     paths = storage.run_paths(cfg)
-    from eagle3ray.extract import load_token_frequencies
+    from eagle3ray.artifacts import load_token_frequencies
 
     freq = load_token_frequencies(paths)
     assert freq.sum() == sum(sum(r["loss_mask"]) for r in rows) == man["counts"]["loss_tokens"]
@@ -102,7 +102,7 @@ def _man(cfg):
 def test_token_budget_is_never_exceeded(ray_session, tmp_path, make_cfg):
     from ray import serve
 
-    from eagle3ray.service import app_name
+    from eagle3ray.verifier_service import app_name
     from eagle3ray.verifier import VerifierSpec
 
     train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(60, words=30, seed=1))
@@ -228,7 +228,7 @@ def test_mtbench_is_shipped():
 
 
 def test_regenerated_answers_are_the_same_on_the_service_and_a_dedicated_engine(ray_session, tmp_path, make_cfg):
-    from eagle3ray.prepare import read_conversations
+    from eagle3ray.artifacts import read_conversations
 
     train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(12, words=12, seed=3))
     answers = {}

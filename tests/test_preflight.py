@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from eagle3ray.config import load_config
+from eagle3ray.draft import draft_layer_config
 from eagle3ray.preflight import (
     check_cluster,
-    draft_layer_config,
     memory_plan,
     preflight,
     required_resources,
@@ -130,7 +130,7 @@ def test_memory_plan_terms_scale_with_the_token_budget():
 
 
 def test_cluster_placement_needs_tp_gpus_on_one_node():
-    cfg = _cfg("llama-3.1-8b-instruct", "extract.min_actors=2")
+    cfg = _cfg("llama-3.1-8b-instruct", "extract.min_replicas=2")
     req = required_resources(cfg)
     node = lambda gpus: {"Alive": True, "Resources": {"CPU": 64, "GPU": gpus}}  # noqa: E731
     assert check_cluster(req, [node(8), node(8)]) == []
@@ -166,9 +166,9 @@ def test_trained_draft_matches_the_preflight_shapes(tiny_verifier):
     """build_draft (training/export) allocates exactly the tensors preflight promises vLLM (explicit head_dim)."""
     import torch
 
-    from eagle3ray.check import expected_shapes, vllm_key
-    from eagle3ray.preflight import draft_config_dict
-    from eagle3ray.train import build_draft
+    from eagle3ray.draft import expected_shapes, vllm_key
+    from eagle3ray.draft import draft_config_dict
+    from eagle3ray.draft import build_draft
 
     vt = json.loads((Path(tiny_verifier) / "config.json").read_text())
     Vd = 512

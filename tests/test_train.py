@@ -16,11 +16,13 @@ import shutil
 import pytest
 
 from eagle3ray import storage
-from eagle3ray.check import check_draft
+from eagle3ray.draft_check import check_draft
 from eagle3ray.export import export
 from eagle3ray.extract import extract
 from eagle3ray.prepare import prepare
-from eagle3ray.train import read_metrics, train
+from eagle3ray.artifacts import read_metrics
+from eagle3ray.train import train
+from eagle3ray.train_worker import WorkerHooks
 from eagle3ray.vocab import build_vocab
 
 from conftest import write_chat_jsonl
@@ -58,7 +60,7 @@ def trained(ray_session, tmp_path_factory, tiny_verifier):
     extract(cfg, progress=False)
     build_vocab(cfg)
     trace = tmp / "trace"
-    summary = train(cfg, fail_at_step=28, trace_dir=str(trace))
+    summary = train(cfg, hooks=WorkerHooks(fail_at_step=28, trace_dir=str(trace)))
     return cfg, summary, trace, str(cfg_path)
 
 
@@ -109,7 +111,7 @@ def test_rerun_of_finished_training_does_nothing(trained):
 def test_export_loads_in_vllm_and_keeps_greedy_text(trained, ray_session, tiny_verifier):
     import ray
 
-    from eagle3ray.serving import ServingEngine, acceptance
+    from eagle3ray.serving_engine import ServingEngine, acceptance
 
     cfg, _, _, cfg_path = trained
     e = export(cfg)

@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from eagle3ray.blocks import build_block  # noqa: E402
-from eagle3ray.train import row_to_sample  # noqa: E402
-from eagle3ray.verifier import to_storage_bytes  # noqa: E402
+from eagle3ray.train_worker import row_to_sample  # noqa: E402
+from eagle3ray.blocks import to_storage_bytes  # noqa: E402
 
 
 def _row(T=6, H=4):
@@ -135,7 +135,7 @@ def test_code_fingerprint_tells_another_checkout_apart(tmp_path):
 def test_hidden_noise_is_relative_to_each_auxiliary_layer():
     import torch
 
-    from eagle3ray.train import add_hidden_noise
+    from eagle3ray.train_worker import add_hidden_noise
 
     torch.manual_seed(0)
     scales = torch.tensor([0.5, 4.0, 40.0])  # layers of very different magnitude, as in a real verifier

@@ -171,7 +171,7 @@ def get_or_start_verifier(spec: VerifierSpec, min_replicas: int = 1, max_replica
 
 def start_for_config(cfg, pinned: bool = False) -> serve.handle.DeploymentHandle:
     """:func:`get_or_start_verifier` with the config's verifier, replica bounds and resources."""
-    return get_or_start_verifier(VerifierSpec.from_config(cfg), cfg.extract.min_actors, cfg.extract.max_actors,
+    return get_or_start_verifier(VerifierSpec.from_config(cfg), cfg.extract.min_replicas, cfg.extract.max_replicas,
                                  cfg.verifier.num_cpus, cfg.verifier.ray_resources, pinned=pinned)
 
 
@@ -190,23 +190,3 @@ def stop_verifier(spec: VerifierSpec) -> bool:
         serve.delete(name)
         return True
     return False
-
-
-def ensure_ray(cfg) -> bool:
-    """Connect to (or start) Ray per ``cfg.ray``; returns True when this call started the connection.
-
-    Token authentication stays as Ray configures it (on by default in Ray 2.60); a local cluster
-    binds to 127.0.0.1 and starts no dashboard unless ``ray.include_dashboard`` is set.
-    """
-    if ray.is_initialized():
-        return False
-    import os
-
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")  # set for drivers of `ray job submit`
-    if address:
-        ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=True)
-    else:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-                 namespace=cfg.ray.namespace, _node_ip_address="127.0.0.1",
-                 runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
-    return True

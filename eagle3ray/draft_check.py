@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import fsspec
 
+from .draft import default_aux_layer_ids, expected_shapes, read_config_json, text_config, vllm_key
+
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32", "BOOL": "bool",
            "I8": "int8", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
 
@@ -60,11 +62,6 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def read_json_any(path: str) -> dict:
-    with fsspec.open(path, "rb") as f:
-        return json.loads(f.read())
-
-
 def safetensors_header(path: str) -> dict[str, dict]:
     """{name: {"dtype", "shape"}} from a safetensors file's JSON header (reads only the header)."""
     with fsspec.open(path, "rb") as f:
@@ -72,66 +69,6 @@ def safetensors_header(path: str) -> dict[str, dict]:
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     return {k: {"dtype": _DTYPES.get(v["dtype"], v["dtype"]), "shape": list(v["shape"])} for k, v in header.items()}
-
-
-def text_config(cfg: dict) -> dict:
-    """The language model's settings of a (possibly nested, multimodal) HF ``config.json`` dict
-    (``text_config``/``language_config``/``llm_config``; a top-level ``quantization_config`` is carried in)."""
-    for key in ("text_config", "language_config", "llm_config"):
-        if isinstance(cfg.get(key), dict):
-            inner = dict(cfg[key])
-            if "quantization_config" not in inner and "quantization_config" in cfg:
-                inner["quantization_config"] = cfg["quantization_config"]
-            return inner
-    return cfg
-
-
-def vllm_key(name: str) -> str | None:
-    """The parameter name vLLM's Eagle3LlamaForCausalLM loads a checkpoint key into (None: ignored)."""
-    if "t2d" in name:
-        return None
-    if "d2t" in name:
-        return name.replace("d2t", "draft_id_to_target_id")
-    name = name.replace("midlayer.", "layers.0.")
-    return name if "lm_head" in name else "model." + name
-
-
-def expected_shapes(draft_cfg: dict, num_aux: int, target_hidden: int) -> dict[str, list[int]]:
-    """Shapes vLLM allocates for a speculators EAGLE-3 Llama draft (renamed keys, see module docstring)."""
-    t = draft_cfg.get("transformer_layer_config", draft_cfg)
-    H = t["hidden_size"]
-    nh, nkv = t["num_attention_heads"], t.get("num_key_value_heads", t["num_attention_heads"])
-    hd = t.get("head_dim") or H // nh
-    inter = t["intermediate_size"]
-    Vd = draft_cfg.get("draft_vocab_size") or t["vocab_size"]
-    L = t.get("num_hidden_layers", 1)
-    shapes = {
-        "model.fc.weight": [H, num_aux * target_hidden],
-        "model.norm.weight": [H],
-        "lm_head.weight": [Vd, H],
-        "draft_id_to_target_id": [Vd],
-    }
-    if draft_cfg.get("norm_before_fc"):  # one RMSNorm over the concatenated auxiliary states (vLLM input_norm)
-        shapes["model.input_norm.weight"] = [num_aux * target_hidden]
-    if draft_cfg.get("fc_norm"):  # one RMSNorm per auxiliary state (Eagle 3.1)
-        shapes.update({f"model.fc_norm.{j}.weight": [target_hidden] for j in range(num_aux)})
-    for i in range(L):
-        p = f"model.layers.{i}."
-        qkv_in = 2 * H if i == 0 else H
-        shapes.update({
-            p + "self_attn.q_proj.weight": [nh * hd, qkv_in],
-            p + "self_attn.k_proj.weight": [nkv * hd, qkv_in],
-            p + "self_attn.v_proj.weight": [nkv * hd, qkv_in],
-            p + "self_attn.o_proj.weight": [H, nh * hd],
-            p + "mlp.gate_proj.weight": [inter, H],
-            p + "mlp.up_proj.weight": [inter, H],
-            p + "mlp.down_proj.weight": [H, inter],
-            p + "input_layernorm.weight": [H],
-            p + "post_attention_layernorm.weight": [H],
-        })
-        if i == 0:
-            shapes[p + "hidden_norm.weight"] = [H]
-    return shapes
 
 
 def check_draft(draft_dir: str, verifier: str) -> CheckReport:
@@ -147,12 +84,12 @@ def check_draft(draft_dir: str, verifier: str) -> CheckReport:
     rep = CheckReport()
     vpath = verifier if verifier.endswith(".json") else f"{verifier.rstrip('/')}/config.json"
     try:
-        vcfg = text_config(read_json_any(vpath))
+        vcfg = text_config(read_config_json(vpath))
     except FileNotFoundError:
         rep.problems.append(f"verifier config {vpath}: not found")
         return rep
     try:
-        dcfg = read_json_any(f"{draft_dir.rstrip('/')}/config.json")
+        dcfg = read_config_json(f"{draft_dir.rstrip('/')}/config.json")
     except FileNotFoundError:
         rep.problems.append(f"{draft_dir}/config.json: not found")
         return rep
@@ -170,7 +107,7 @@ def check_draft(draft_dir: str, verifier: str) -> CheckReport:
     aux = dcfg.get("eagle_aux_hidden_state_layer_ids") or []
     if not aux:
         rep.notes.append("eagle_aux_hidden_state_layer_ids not set: vLLM uses its default [2, L//2, L-3]")
-        aux = [2, VL // 2, VL - 3]
+        aux = default_aux_layer_ids(VL)
     bad = [i for i in aux if not 0 <= i <= VL]
     if bad:
         rep.problems.append(f"config.json: field 'eagle_aux_hidden_state_layer_ids' {aux}: {bad} outside the "
@@ -227,14 +164,3 @@ def check_draft(draft_dir: str, verifier: str) -> CheckReport:
         rep.problems.append(f"config.json: field 'draft_vocab_size' {dvocab} != lm_head rows {Vd}")
     return rep
 
-
-def main_check(draft: str, verifier: str) -> int:
-    rep = check_draft(draft, verifier)
-    print(rep.render())
-    return 0 if rep.ok else 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    raise SystemExit(main_check(sys.argv[1], sys.argv[2]))

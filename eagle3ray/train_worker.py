@@ -1,0 +1,497 @@
+"""The Ray Train worker: one named training step, one checkpoint layout, and a loop short enough to read.
+
+Model, data alignment and loss are speculators' own: ``Eagle3DraftModel`` (:func:`eagle3ray.draft.build_draft`),
+``shift_batch`` (pairs the states of token t with token t+1, as speculators' trainer does) and ``CollateFn``
+(packs samples into one sequence of ``max_tokens_per_batch`` tokens with document ids). The loop around them is
+ours because speculators' ``Trainer`` is CUDA-only (FIELD_NOTES).
+
+- :class:`DraftStep`: draft, AdamW, linear warm-up then cosine decay to ``min_lr_ratio``, bf16 autocast
+  (``train.autocast``), gradient clipping, speculators' loss with TTT steps; ``step(batch) -> metrics`` and
+  ``evaluate(batches) -> sums``. Every benchmark that times a training step uses this object.
+- :class:`WorkerCheckpoint`: what a checkpoint directory holds and how a worker restores it.
+- :func:`epoch_batches`: one epoch of a worker's Ray Data shard, decoded (:func:`row_to_sample`) and packed by
+  token budget (:func:`eagle3ray.packing.pack_by_tokens`), skipping samples already consumed this epoch.
+- :func:`train_loop_per_worker`: the Ray Train entry. All workers take the same number of steps per epoch (an
+  all-reduce of "has a batch" ends the epoch for everyone; the leftovers are counted as ``epoch_tail_samples``);
+  every ``checkpoint_every`` steps (and at the end): held-out evaluation, a checkpoint and ``ray.train.report``;
+  samples consumed in the checkpoint's epoch (by any worker) are skipped on resume, so no batch is skipped or
+  repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import blocks, check_code_fingerprint, storage
+from .artifacts import metrics_path
+from .draft import TRAINABLE_FILE, build_draft
+from .packing import pack_by_tokens
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.pt"
+
+
+# ------------------------------------------------------------------------------------------------ data
+def row_to_sample(row: dict, all_positions: bool = False):
+    """A block row -> speculators' per-sample dict, shifted (token t+1 with the states of token t).
+
+    Args:
+        row: one block row (``blocks.BLOCK_SCHEMA``).
+        all_positions: loss on every position instead of the row's ``loss_mask`` (assistant tokens).
+
+    Returns tensors: hidden_states [T-1, 3H], input_ids [T-1], verifier_last_hidden_states [T-1, H],
+    loss_mask [T-1], lengths [1], position_ids [T-1].
+    """
+    import torch
+    from speculators.models.eagle3.data import shift_batch
+
+    st = torch.from_numpy(blocks.decode_states(row).copy())  # shape: [T, L, H], L = 3 aux + final
+    T = st.shape[0]
+    return shift_batch({
+        "hidden_states": st[:, :-1].flatten(1),  # shape: [T, 3H]
+        "input_ids": torch.as_tensor(row["input_ids"], dtype=torch.long),
+        "verifier_last_hidden_states": st[:, -1],  # shape: [T, H]
+        "loss_mask": (torch.ones(T, dtype=torch.long) if all_positions
+                      else torch.as_tensor(row["loss_mask"], dtype=torch.long)),
+        "lengths": torch.tensor([T]),
+        "position_ids": torch.arange(T),
+    })
+
+
+def add_hidden_noise(hidden_states, num_aux: int, scale: float):
+    """Feature-noise augmentation (EAGLE, Li et al. 2024): ``h + scale * rms(h) * N(0, 1)`` per auxiliary layer.
+
+    Args:
+        hidden_states: [..., num_aux * H] concatenated auxiliary hidden states (speculators' layout).
+        num_aux: number of auxiliary layers concatenated on the last axis.
+        scale: noise standard deviation as a fraction of each layer's per-token root-mean-square.
+
+    Returns a new tensor of the same shape and dtype (the input is not modified).
+    """
+    import torch
+
+    x = hidden_states.unflatten(-1, (num_aux, -1))  # shape: [..., num_aux, H]
+    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return (x + (scale * rms * torch.randn_like(x, dtype=torch.float32)).to(x.dtype)).flatten(-2)
+
+
+def pack_rows(rows, max_tokens: int):
+    """Group (sample_id, sample) pairs greedily into lists of at most ``max_tokens`` shifted tokens."""
+    return pack_by_tokens(rows, max_tokens, lambda r: int(r[1]["lengths"][0]))
+
+
+class EpochBatches:
+    """One epoch of a Ray Data shard as packed batches ``(sample_ids, batch)``, skipping ``skip`` ids.
+
+    ``drain()`` consumes the rest of the epoch without decoding it (streaming splits expect full epochs) and
+    returns the number of rows it skipped.
+    """
+
+    def __init__(self, shard, step: "DraftStep", seed: int, skip: set, all_positions: bool = False):
+        tc = step.tc
+        self._it = iter(shard.iter_batches(batch_size=8, batch_format="pyarrow",
+                                           local_shuffle_buffer_size=tc["shuffle_buffer_rows"] or None,
+                                           local_shuffle_seed=seed if tc["shuffle_buffer_rows"] else None))
+        self._step, self._skip, self._all = step, skip, all_positions
+
+    def _rows(self):
+        for tbl in self._it:
+            for row in tbl.to_pylist():
+                if row["sample_id"] not in self._skip:
+                    yield row["sample_id"], row_to_sample(row, self._all)
+
+    def __iter__(self):
+        for group in pack_rows(self._rows(), self._step.tc["max_tokens_per_batch"]):
+            yield [sid for sid, _ in group], self._step.collate([s for _, s in group])
+
+    def drain(self) -> int:
+        return sum(t.num_rows for t in self._it)
+
+
+# ------------------------------------------------------------------------------------------------ step
+def lr_lambda(warmup: int, total: int, floor: float):
+    """LR multiplier per step: linear warm-up over ``warmup`` steps, then cosine decay to ``floor`` at ``total``."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def summarize(sums: dict, ttt_steps: int, prefix: str) -> dict:
+    """Metrics from summed speculators metrics (``loss_sum``/``loss_total``, ``full_acc_k_sum``/``_total``, ...):
+    ``{prefix}loss``, ``{prefix}full_acc_k``, ``{prefix}cond_acc_k`` per TTT position k."""
+    out = {}
+    if sums.get("loss_total"):
+        out[f"{prefix}loss"] = sums["loss_sum"] / sums["loss_total"]
+    for k in range(ttt_steps):
+        tot = sums.get(f"full_acc_{k}_total", 0.0)
+        if tot:
+            out[f"{prefix}full_acc_{k}"] = sums[f"full_acc_{k}_sum"] / tot
+        tot = sums.get(f"cond_acc_{k}_total", 0.0)
+        if tot:
+            out[f"{prefix}cond_acc_{k}"] = sums[f"cond_acc_{k}_sum"] / tot
+    return out
+
+
+def accumulate(acc: dict, metrics: dict) -> None:
+    """Add speculators' per-batch metric sums into ``acc`` (floats)."""
+    for k, v in metrics.items():
+        acc[k] = acc.get(k, 0.0) + float(v)
+
+
+@dataclass
+class DraftStep:
+    """One optimizer step of the EAGLE-3 draft, as every training path and benchmark runs it.
+
+    Build it with :meth:`build`; call :meth:`to_device` once (after restoring a checkpoint); then
+    ``step(batch)`` trains on one packed batch and returns speculators' metric sums, ``evaluate(batches)``
+    sums the held-out metrics of an iterable of ``(ids, batch)``.
+
+    A batch is speculators' ``CollateFn`` output for ``tc["max_tokens_per_batch"]`` tokens: hidden_states
+    [1, N, A*H], verifier_last_hidden_states [1, N, H], input_ids/loss_mask/position_ids/document_ids [1, N].
+    """
+
+    core: object  # the Eagle3DraftModel
+    tc: dict  # the train section as a dict
+    num_aux: int
+    optimizer: object
+    scheduler: object
+    trainable: list
+    loss_cfg: object
+    collate: object
+    autocast_bf16: bool
+    device: object = None
+    model: object = None  # what training calls: the draft, or its DDP wrapper
+    _autocast: object = field(default=None, repr=False)
+
+    @classmethod
+    def build(cls, tc: dict, verifier_path: str, aux_layer_ids: list[int], d2t, t2d, hidden_size: int,
+              autocast_bf16: bool) -> "DraftStep":
+        """The draft (:func:`eagle3ray.draft.build_draft`, initialised from the current torch RNG), AdamW over its
+        trainable parameters, the LR schedule (:func:`lr_lambda`), speculators' loss config and collate."""
+        import torch
+        from speculators.losses import resolve_loss_config
+        from speculators.train.data import CollateFn
+
+        draft = build_draft(verifier_path, aux_layer_ids, d2t, t2d, tc)
+        trainable = [p for p in draft.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=tc["lr"], weight_decay=tc["weight_decay"])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc["warmup_steps"], tc["max_steps"],
+                                                                 tc["min_lr_ratio"]))
+        return cls(core=draft, tc=tc, num_aux=len(aux_layer_ids), optimizer=opt, scheduler=sched,
+                   trainable=trainable, loss_cfg=resolve_loss_config(tc["loss"], tc["loss_impl"]),
+                   collate=CollateFn(tc["max_tokens_per_batch"], hidden_size, len(aux_layer_ids),
+                                     dtype=torch.float32),
+                   autocast_bf16=autocast_bf16)
+
+    def to_device(self, device, wrap=None) -> None:
+        """Move the draft to ``device``; ``wrap`` (e.g. ``ray.train.torch.prepare_model``) makes the module that
+        training calls (evaluation calls the unwrapped draft)."""
+        import torch
+
+        self.device = device
+        self.model = self.core.to(device)
+        if wrap is not None:
+            self.model = wrap(self.model)
+        self.core = self.model.module if hasattr(self.model, "module") else self.model
+        self._autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def forward(self, batch: dict, training: bool):
+        """(loss, metric sums) of one batch; training adds ``train.hidden_noise`` feature noise."""
+        import torch
+
+        tc = self.tc
+        b = {k: v.to(self.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if training and tc["hidden_noise"] > 0:
+            b["hidden_states"] = add_hidden_noise(b["hidden_states"], self.num_aux, tc["hidden_noise"])
+        with self._autocast:
+            _, loss, metrics = (self.model if training else self.core)(
+                **b, ttt_steps=tc["ttt_steps"], ttt_step_loss_decay=tc["ttt_step_loss_decay"],
+                loss_config=self.loss_cfg)
+        return loss, metrics
+
+    def step(self, batch: dict) -> dict:
+        """Forward, backward, clip to ``train.grad_clip``, AdamW and scheduler step; returns the metric sums."""
+        import torch
+
+        loss, metrics = self.forward(batch, training=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.trainable, self.tc["grad_clip"])
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics
+
+    def evaluate(self, batches) -> dict:
+        """Summed held-out metrics over ``batches`` (``(ids, batch)`` pairs), without gradients."""
+        import torch
+
+        sums: dict = {}
+        self.model.eval()
+        with torch.no_grad():
+            for _, batch in batches:
+                _, metrics = self.forward(batch, training=False)
+                accumulate(sums, metrics)
+        self.model.train()
+        return sums
+
+
+# ------------------------------------------------------------------------------------------- checkpoint
+@dataclass
+class DataPosition:
+    """Where training stands: optimizer steps taken, the epoch, and the sample ids consumed in it (all ranks)."""
+
+    step: int = 0
+    epoch: int = 0
+    consumed: set = field(default_factory=set)
+
+
+class WorkerCheckpoint:
+    """The layout of one Ray Train checkpoint directory (``checkpoints/train/checkpoint_*``)::
+
+        draft_trainable.safetensors  rank 0: the draft's trainable weights (fc, decoder layer, norms, lm_head)
+        trainer_state.pt             rank 0: {"optimizer", "scheduler", "step", "epoch", "torch_rng"}
+        data_rank<r>.json            every rank r: {"epoch", "consumed": [sample ids rank r consumed this epoch]}
+
+    The data position is kept per sample, not per rank, so a run may resume with another number of workers.
+    """
+
+    @staticmethod
+    def restore(ckpt, step: DraftStep) -> DataPosition | None:
+        """Load ``ckpt`` (a ``ray.train.Checkpoint`` or None) into ``step`` (weights, optimizer, scheduler, torch
+        RNG); returns the data position, or None when there is nothing to resume.
+
+        Raises:
+            RuntimeError: the checkpoint lacks trainable weights of the draft this config builds.
+        """
+        if ckpt is None:
+            return None
+        import torch
+        from safetensors.torch import load_file
+
+        pos = DataPosition()
+        with ckpt.as_directory() as d:
+            state = load_file(os.path.join(d, TRAINABLE_FILE))
+            missing = {n for n, p in step.core.named_parameters() if p.requires_grad} - set(state)
+            if missing:
+                raise RuntimeError(f"checkpoint {ckpt.path} lacks trainable weights {sorted(missing)[:5]}")
+            step.core.load_state_dict(state, strict=False)
+            ts = torch.load(os.path.join(d, STATE_FILE), weights_only=True)
+            step.optimizer.load_state_dict(ts["optimizer"])
+            step.scheduler.load_state_dict(ts["scheduler"])
+            pos.step, pos.epoch = int(ts["step"]), int(ts["epoch"])
+            torch.set_rng_state(ts["torch_rng"])
+            for name in os.listdir(d):  # data positions of every rank (the split may differ now)
+                if name.startswith("data_rank"):
+                    with open(os.path.join(d, name)) as f:
+                        ds_state = json.load(f)
+                    if ds_state["epoch"] == pos.epoch:
+                        pos.consumed.update(ds_state["consumed"])
+        return pos
+
+    @staticmethod
+    def save(d: str, step: DraftStep, rank: int, n_steps: int, epoch: int, mine: set) -> None:
+        """Write this rank's part of a checkpoint into folder ``d`` (``mine``: ids this rank consumed this epoch)."""
+        import torch
+        from safetensors.torch import save_file
+
+        if rank == 0:
+            save_file({n: p.detach().cpu().contiguous() for n, p in step.core.named_parameters() if p.requires_grad},
+                      os.path.join(d, TRAINABLE_FILE))
+            torch.save({"optimizer": step.optimizer.state_dict(), "scheduler": step.scheduler.state_dict(),
+                        "step": n_steps, "epoch": epoch, "torch_rng": torch.get_rng_state()},
+                       os.path.join(d, STATE_FILE))
+        with open(os.path.join(d, f"data_rank{rank}.json"), "w") as f:
+            json.dump({"epoch": epoch, "consumed": sorted(mine)}, f)
+
+
+# ------------------------------------------------------------------------------------------------ hooks
+@dataclass
+class WorkerHooks:
+    """Test hooks, passed in by the driver (``train(cfg, hooks=...)``); the defaults do nothing.
+
+    Args:
+        fail_at_step: the last worker exits (``os._exit(1)``, a real process death) at this step on the first
+            attempt (not after a resume).
+        trace_dir: each worker appends the sample ids of every step there (``rank<r>-<pid>-<ns>.jsonl``).
+    """
+
+    fail_at_step: int | None = None
+    trace_dir: str | None = None
+
+    def start(self, rank: int) -> None:
+        self._trace = None
+        if self.trace_dir:
+            os.makedirs(self.trace_dir, exist_ok=True)
+            self._trace = open(os.path.join(self.trace_dir, f"rank{rank}-{os.getpid()}-{time.time_ns()}.jsonl"), "a")
+
+    def before_step(self, step: int, rank: int, world: int, resumed: bool) -> None:
+        if self.fail_at_step is not None and step == self.fail_at_step and not resumed and rank == world - 1:
+            log.warning("test hook: worker %d exits at step %d", rank, step)
+            logging.shutdown()
+            os._exit(1)
+
+    def after_step(self, step: int, epoch: int, ids: list[str]) -> None:
+        if self._trace is not None:
+            self._trace.write(json.dumps({"step": step, "epoch": epoch, "ids": ids}) + "\n")
+            self._trace.flush()
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+
+
+# ------------------------------------------------------------------------------------------------ loop
+class _Collective:
+    """The two all-reduces the loop needs (no-ops with one worker)."""
+
+    def __init__(self, world: int, device):
+        self.world, self.device = world, device
+
+    def all_min(self, flag: int) -> int:
+        if self.world == 1:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([flag], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def all_sum(self, d: dict) -> dict:
+        if self.world == 1 or not d:
+            return d
+        import torch
+        import torch.distributed as dist
+
+        keys = sorted(d)
+        t = torch.tensor([d[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return dict(zip(keys, t.tolist()))
+
+
+def _worker_logging() -> None:
+    """Route this package's INFO records to the worker's stderr (Ray shows it in the driver and the dashboard)."""
+    pkg = logging.getLogger("eagle3ray")
+    if not pkg.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        pkg.addHandler(h)
+        pkg.setLevel(logging.INFO)
+        pkg.propagate = False
+
+
+def _append_metrics(config: dict, entry: dict) -> None:
+    """Append one line to ``<run>/checkpoints/metrics.jsonl`` (rank 0 only)."""
+    paths = storage.RunPaths.create(config["storage_uri"], config["run_name"], config["endpoint_url"])
+    storage.append_line(paths.fs, metrics_path(paths), json.dumps(entry))
+
+
+def _report(config: dict, step: DraftStep, rank: int, pos: DataPosition, mine: set, report: dict) -> None:
+    """Checkpoint + ``ray.train.report`` + metrics.jsonl + Ray metrics."""
+    import ray.train
+
+    with tempfile.TemporaryDirectory() as d:
+        WorkerCheckpoint.save(d, step, rank, pos.step, pos.epoch, mine)
+        ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(d))
+    if rank == 0:
+        from . import metrics as ray_metrics
+
+        _append_metrics(config, report)
+        ray_metrics.train_report(config["run_name"], report, step.tc["ttt_steps"])
+        log.info("checkpoint at step %d: %s", pos.step, json.dumps(
+            {k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()}))
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """The Ray Train worker loop (see module docstring). ``config`` is built by :func:`eagle3ray.train.train`."""
+    import ray.train
+
+    _worker_logging()
+    tc = config["train"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    check_code_fingerprint(config.get("code_fingerprint"), f"Ray Train worker {rank}")
+    device = ray.train.torch.get_device()
+    random.seed(tc["seed"] + rank)
+    np.random.seed(tc["seed"] + rank)
+    import torch
+
+    torch.manual_seed(tc["seed"])  # same init on every rank
+    step = DraftStep.build(tc, config["verifier_path"], config["aux_layer_ids"], config["d2t"], config["t2d"],
+                           config["hidden_size"], config["autocast_bf16"])
+    resumed = WorkerCheckpoint.restore(ray.train.get_checkpoint(), step)
+    step.to_device(device, ray.train.torch.prepare_model if world > 1 else None)
+    comm, hooks = _Collective(world, device), config.get("hooks") or WorkerHooks()
+    hooks.start(rank)
+    pos = resumed or DataPosition()
+
+    def evaluate() -> dict:
+        sums = step.evaluate(EpochBatches(ray.train.get_dataset_shard("val"), step, 0, set()))
+        return summarize(comm.all_sum(sums), tc["ttt_steps"], "val_")
+
+    if resumed is None:
+        if rank == 0:
+            log.info("evaluating the untrained draft on the held-out blocks")
+        untrained = evaluate()
+        if rank == 0:
+            _append_metrics(config, {"step": 0, "event": "untrained", **untrained})
+    elif rank == 0:
+        log.info("resumed from step %d (epoch %d, %d samples of this epoch already consumed)", pos.step, pos.epoch,
+                 len(pos.consumed))
+        _append_metrics(config, {"step": pos.step, "event": "resumed"})
+    step.model.train()
+    mine: set = set()  # sample ids this rank consumed in the current epoch (since the last restore)
+    sums: dict = {}
+    t_last, tokens_since, tail = time.time(), 0, 0
+    while pos.step < tc["max_steps"]:
+        batches = EpochBatches(ray.train.get_dataset_shard("train"), step, tc["seed"] + pos.epoch, pos.consumed,
+                               tc["loss_positions"] == "all")
+        for ids, batch in batches:
+            if not comm.all_min(1):  # another rank's share of this epoch is used up: all end the epoch together
+                tail += len(ids) + batches.drain()
+                break
+            hooks.before_step(pos.step, rank, world, resumed is not None)
+            accumulate(sums, step.step(batch))
+            pos.step += 1
+            mine.update(ids)
+            tokens_since += int((batch["document_ids"] >= 0).sum())
+            hooks.after_step(pos.step, pos.epoch, ids)
+            if rank == 0 and pos.step % 10 == 0:
+                m = summarize(sums, tc["ttt_steps"], "")
+                log.info(f"step {pos.step}/{tc['max_steps']} loss {m.get('loss', float('nan')):.3f} "
+                         + " ".join(f"acc{k} {m.get(f'full_acc_{k}', 0):.3f}" for k in range(tc["ttt_steps"]))
+                         + f" lr {step.lr:.2e}")
+            if pos.step % tc["checkpoint_every"] == 0 or pos.step >= tc["max_steps"]:
+                dt, train_m = time.time() - t_last, summarize(comm.all_sum(sums), tc["ttt_steps"], "train_")
+                tok = comm.all_sum({"t": float(tokens_since)})["t"]
+                report = {"step": pos.step, "epoch": pos.epoch, **train_m, **evaluate(),
+                          "tokens_per_s": tok / max(dt, 1e-9), "lr": step.lr, "epoch_tail_samples": tail}
+                _report(config, step, rank, pos, mine, report)
+                sums, tokens_since, t_last = {}, 0, time.time()
+            if pos.step >= tc["max_steps"]:
+                break
+        else:
+            comm.all_min(0)  # this rank ran out: tell the others the epoch is over
+        if pos.step >= tc["max_steps"]:
+            break
+        pos.epoch += 1
+        pos.consumed, mine = set(), set()
+    hooks.close()
