@@ -1,9 +1,9 @@
 """GPU check of the draft-training step (the code path that CPU CI cannot run).
 
-Runs eagle3ray's worker-side pieces on CUDA exactly as a GPU Ray Train worker does: ``build_draft``
-(speculators' Eagle3DraftModel) with ``attn_impl=simple_flex_attention``, the fused (Triton) loss,
-bf16 autocast, blocks encoded with eagle3ray's bf16 storage format, ``row_to_sample`` + ``pack_rows``
-+ speculators' ``CollateFn``. The verifier is a random model with SmolLM2-135M's shapes (no weights
+Runs eagle3ray's worker-side pieces on CUDA exactly as a GPU Ray Train worker does: the worker's step object
+(:class:`eagle3ray.train_worker.DraftStep`: speculators' Eagle3DraftModel, AdamW, clipping, LR schedule) with
+``attn_impl=simple_flex_attention``, the fused (Triton) loss, bf16 autocast, blocks encoded with eagle3ray's bf16
+storage format, ``row_to_sample`` + ``pack_rows`` + speculators' ``CollateFn``. The verifier is a random model with SmolLM2-135M's shapes (no weights
 are downloaded). Prints per-check results and throughput; exits non-zero if a check fails.
 
     python benchmarks/gpu_draft_step.py --steps 30
@@ -31,12 +31,10 @@ def main() -> int:
 
     import numpy as np
     import torch
-    from speculators.losses import resolve_loss_config
-    from speculators.train.data import CollateFn
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3ray.train import build_draft, pack_rows, row_to_sample
     from eagle3ray.blocks import to_storage_bytes
+    from eagle3ray.train_worker import DraftStep, pack_rows, row_to_sample, summarize
 
     assert torch.cuda.is_available(), "no CUDA device"
     dev = torch.device("cuda")
@@ -74,13 +72,16 @@ def main() -> int:
     ok = True
     results = {}
     for attn, loss_impl in (("simple_flex_attention", "fused"), ("sdpa", "eager")):
-        tc = {"num_draft_layers": 1, "norm_before_residual": True, "norm_before_fc": True, "norm_output": True,
-              "ttt_steps": 3, "attn_impl": attn}
+        # the train section as the driver hands it to workers (no config module needed on the device machine)
+        tc = {"num_draft_layers": 1, "draft_head_dim": None, "norm_before_residual": True, "norm_before_fc": True,
+              "norm_output": True, "ttt_steps": 3, "ttt_step_loss_decay": 1.0, "attn_impl": attn,
+              "loss": "kl_div", "loss_impl": loss_impl, "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 0,
+              "max_steps": args.steps, "min_lr_ratio": 1.0, "grad_clip": 1.0, "hidden_noise": 0.0,
+              "max_tokens_per_batch": args.tokens}
         torch.manual_seed(0)
-        draft = build_draft(tmp, layer_ids[:-1], d2t, t2d, tc).to(dev)
-        opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
-        loss_cfg = resolve_loss_config("kl_div", loss_impl)
-        collate = CollateFn(args.tokens, 576, 3, dtype=torch.float32)
+        step_obj = DraftStep.build(tc, tmp, layer_ids[:-1], d2t, t2d, 576, autocast_bf16=True)
+        step_obj.to_device(dev)
+        step_obj.model.train()
 
         def stream():
             while True:
@@ -91,21 +92,15 @@ def main() -> int:
         for step, group in enumerate(pack_rows(stream(), args.tokens)):
             if step >= args.steps:
                 break
-            batch = collate([s for _, s in group])
-            b = {k: v.to(dev) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            batch = step_obj.collate([s for _, s in group])
             torch.cuda.synchronize()
             t = time.time()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss, metrics = draft(**b, ttt_steps=3, loss_config=loss_cfg)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-            opt.step()
+            metrics = step_obj.step(batch)
             torch.cuda.synchronize()
             if step >= 3:
                 times.append(time.time() - t)
                 toks += int((batch["document_ids"] >= 0).sum())
-            losses.append(float(loss))
+            losses.append(summarize({k: float(v) for k, v in metrics.items()}, 3, "")["loss"])
         finite = all(np.isfinite(losses))
         dropped = losses[-1] < losses[0]
         acc0 = float(metrics["full_acc_0_sum"] / metrics["full_acc_0_total"])
@@ -116,7 +111,7 @@ def main() -> int:
               flush=True)
         results[attn] = (losses[0], losses[-1])
         ok &= finite and dropped
-        del draft, opt
+        del step_obj
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     first = [v[0] for v in results.values()]

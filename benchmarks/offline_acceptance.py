@@ -34,10 +34,10 @@ import json
 
 
 def write_prompts(path: str, cfg, span: str) -> None:
-    from eagle3ray.validate import eval_prompts
+    from eagle3ray.sources import first_turn_prompts
 
     lo, hi = (int(x) for x in span.split(":"))
-    convs, _ = eval_prompts(cfg.validation.eval, hi)
+    convs, _ = first_turn_prompts(cfg.validation.eval, hi)
     with open(path, "w") as f:
         for i, c in enumerate(convs[lo:hi]):
             # the placeholder answer is replaced by the verifier's own (data.regenerate)
@@ -55,7 +55,8 @@ def simulate(cfg, blocks_root: str, k: int, checkpoint: str | None = None) -> di
     from speculators.train.data import CollateFn
 
     from eagle3ray import storage
-    from eagle3ray.train import TRAINABLE_FILE, build_draft, pack_rows, row_to_sample
+    from eagle3ray.draft import TRAINABLE_FILE, build_draft
+    from eagle3ray.train_worker import pack_rows, row_to_sample
     from eagle3ray.verifier import VerifierSpec
     from eagle3ray.artifacts import load_vocab
 

@@ -4,7 +4,9 @@ All three train the same speculators ``Eagle3DraftModel`` on the same committed 
 run (one whose extract stage finished), with the same per-step token budget:
 
 1. plain: this process, pyarrow reads the blocks, packs and collates them exactly like the workers
-   (``row_to_sample``, ``pack_rows``, speculators' ``CollateFn``), AdamW steps; timed after 2 warm-up steps;
+   (``row_to_sample``, ``pack_rows``, speculators' ``CollateFn``) and runs the workers' own step object
+   (:class:`eagle3ray.train_worker.DraftStep`: the same autocast, loss, TTT step decay, feature noise, clipping
+   and LR schedule); timed after 2 warm-up steps;
 2. Ray Train, 1 worker; 3. Ray Train, 2 workers: ``eagle3ray.train.train`` on copies of the run's blocks,
    throughput from the workers' own report (tokens of the last checkpoint interval / its wall time,
    evaluation excluded).
@@ -32,14 +34,14 @@ def main() -> None:
 
     import pyarrow.parquet as pq
     import torch
-    from speculators.losses import resolve_loss_config
-    from speculators.train.data import CollateFn
 
     from eagle3ray import blocks, storage
-    from eagle3ray.config import load_config
-    from eagle3ray.train import build_draft, pack_rows, row_to_sample, train
-    from eagle3ray.verifier import VerifierSpec
     from eagle3ray.artifacts import load_vocab
+    from eagle3ray.config import load_config
+    from eagle3ray.machine import resolve_autocast
+    from eagle3ray.train import train
+    from eagle3ray.train_worker import DraftStep, pack_rows, row_to_sample
+    from eagle3ray.verifier import VerifierSpec
     from eagle3ray.vocab import build_vocab
 
     cfg = load_config(args.config, args.overrides)
@@ -57,10 +59,14 @@ def main() -> None:
     torch.set_num_threads(threads)
     print(f"plain loop torch threads: {threads} (= one worker's)", flush=True)
     d2t, t2d = load_vocab(src)
-    draft = build_draft(spec.model_path, spec.layer_ids[:-1], d2t, t2d, tc)
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tc["lr"])
-    loss_cfg = resolve_loss_config(tc["loss"], tc["loss_impl"])
-    collate = CollateFn(budget, spec.model_identity["hidden_size"], len(spec.layer_ids) - 1, dtype=torch.float32)
+    autocast = resolve_autocast(cfg.train.autocast, "cpu")
+    print(f"plain loop autocast: {'bf16' if autocast else 'off'} (train.autocast {cfg.train.autocast}, as the "
+          "Ray Train driver resolves it)", flush=True)
+    torch.manual_seed(tc["seed"])
+    step = DraftStep.build(tc, spec.model_path, spec.layer_ids[:-1], d2t, t2d, spec.model_identity["hidden_size"],
+                           autocast)
+    step.to_device(torch.device("cpu"))
+    step.model.train()
 
     def rows():
         while True:
@@ -74,19 +80,14 @@ def main() -> None:
         if i >= args.steps + 2:
             break
         t = time.time()
-        batch = collate([s for _, s in group])
-        b = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        _, loss, _ = draft(**b, ttt_steps=tc["ttt_steps"], loss_config=loss_cfg)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), tc["grad_clip"])
-        opt.step()
+        batch = step.collate([s for _, s in group])
+        step.step(batch)
         if i >= 2:
             step_times.append(time.time() - t)
             step_tokens.append(int((batch["document_ids"] >= 0).sum()))
     plain = sum(step_tokens) / sum(step_times)
     print(f"plain loop: {plain:.0f} tok/s (median step {statistics.median(step_times):.2f} s)", flush=True)
-    del draft, opt
+    del step
 
     results = {"plain": plain}
     tmp = tempfile.mkdtemp(prefix="e3r-bench-train-")

@@ -1,7 +1,8 @@
 """Benchmark: what one draft-training step costs as the draft vocabulary, packed length and TTT steps change.
 
-One process, the same speculators ``Eagle3DraftModel`` step as a Ray Train worker (``row_to_sample``,
-``pack_rows``, speculators' ``CollateFn``, forward over ``ttt_steps``, backward, AdamW), on the committed
+One process, the Ray Train worker's own step object (:class:`eagle3ray.train_worker.DraftStep`:
+``row_to_sample``, ``pack_rows``, speculators' ``CollateFn``, forward over ``ttt_steps``, backward, clipping,
+AdamW, LR schedule), on the committed
 blocks of an existing run (one whose extract stage finished). For each draft vocabulary size the d2t/t2d
 mapping is built from the run's token counts with speculators' ``build_vocab_mappings_from_distribution``,
 as the vocab stage does. Timed after 2 warm-up steps; prints tokens/s per variant and the ratio to the
@@ -33,14 +34,12 @@ def main() -> None:
 
     import pyarrow.parquet as pq
     import torch
-    from speculators.losses import resolve_loss_config
-    from speculators.train.data import CollateFn
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     from eagle3ray import blocks, storage
-    from eagle3ray.config import load_config
     from eagle3ray.artifacts import load_token_frequencies
-    from eagle3ray.train import build_draft, pack_rows, row_to_sample
+    from eagle3ray.config import load_config
+    from eagle3ray.train_worker import DraftStep, pack_rows, row_to_sample
     from eagle3ray.verifier import VerifierSpec
 
     torch.set_num_threads(args.threads)
@@ -64,24 +63,19 @@ def main() -> None:
                              args.autocast.split(","))
     for vd, T, ttt, ac in grid:
         tc = cfg.train.model_dump()
-        tc["ttt_steps"] = ttt
+        tc["ttt_steps"], tc["max_tokens_per_batch"] = ttt, T
         d2t, t2d = build_vocab_mappings_from_distribution(counts, vd, len(freq))
         torch.manual_seed(0)
-        draft = build_draft(spec.model_path, spec.layer_ids[:-1], d2t, t2d, tc)
-        opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tc["lr"])
-        loss_cfg = resolve_loss_config(tc["loss"], tc["loss_impl"])
-        collate = CollateFn(T, H, len(spec.layer_ids) - 1, dtype=torch.float32)
+        step = DraftStep.build(tc, spec.model_path, spec.layer_ids[:-1], d2t, t2d, H, autocast_bf16=ac != "off")
+        step.to_device(torch.device("cpu"))
+        step.model.train()
         times, toks = [], []
         for i, group in enumerate(pack_rows(itertools.cycle(samples), T)):
             if i >= args.steps + 2:
                 break
             t = time.perf_counter()
-            b = {k: v for k, v in collate([s for _, s in group]).items() if isinstance(v, torch.Tensor)}
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac != "off"):
-                _, loss, _ = draft(**b, ttt_steps=ttt, loss_config=loss_cfg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            b = step.collate([s for _, s in group])
+            step.step(b)
             if i >= 2:
                 times.append(time.perf_counter() - t)
                 toks.append(int((b["document_ids"] >= 0).sum()))

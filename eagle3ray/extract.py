@@ -56,6 +56,30 @@ class ExtractSummary:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def title(self) -> str:
+        return "extract" + (" (already complete: skipped)" if self.skipped else "")
+
+    def rows(self) -> list[tuple[str, object]]:
+        """(label, value) rows for the CLI's table."""
+        return [("samples (this run)", self.samples), ("tokens (this run)", self.tokens),
+                ("tokens/s (extraction loop)", f"{self.tokens_per_s:.0f}"),
+                ("seconds (loop / stage)", f"{self.seconds:.1f} / {self.wall_seconds:.1f}"),
+                ("blocks committed", self.blocks), ("bytes written", self.bytes_written),
+                ("largest batch (tokens)", self.batch_tokens_max),
+                ("samples already committed (resumed)", self.resumed_from),
+                ("orphan blocks removed (start / end)", f"{self.orphans_removed} / {self.orphans_removed_end}"),
+                ("unit retries (replica failures)", self.retries), ("samples in manifest", self.total_samples),
+                ("tokens in manifest", self.total_tokens), ("output", self.path)]
+
+    def headline(self) -> str:
+        return (f"extract: {self.total_samples} samples, {self.total_tokens} tokens in the manifest"
+                + (" (already complete)" if self.skipped else f", {self.tokens_per_s:.0f} tok/s this run"))
+
+    @property
+    def rejected_by_stage(self) -> dict:
+        return {k: v for k, v in self.rejected.items() if (v or {}).get("counts")}
+
 
 def plan_units(samples: list[dict], max_tokens: int) -> list[list[dict]]:
     """Pack samples, in order, into units of at most ``max_tokens`` tokens (:func:`eagle3ray.packing.pack_by_tokens`).

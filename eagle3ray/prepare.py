@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from . import storage
 from .artifacts import CONV_SCHEMA
 from .chat import ChatTemplateError, tokenize_conversation, tokenizer_identity
-from .sources import Record, RejectCounter, eval_prompts, iter_source, normalize_text
+from .sources import Record, RejectCounter, held_out_user_turns, iter_source, normalize_text
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,20 @@ class PrepareSummary:
     skipped: bool = False
     rejected: RejectCounter = field(default_factory=RejectCounter)
     path: str = ""
+
+    @property
+    def title(self) -> str:
+        return "prepare" + (" (already complete: skipped)" if self.skipped else "")
+
+    def rows(self) -> list[tuple[str, object]]:
+        """(label, value) rows for the CLI's table."""
+        return [("conversations", self.samples), ("tokens", self.tokens), ("assistant (loss) tokens", self.loss_tokens),
+                ("regenerated answers", self.regenerated), ("seconds", f"{self.seconds:.1f}"),
+                ("bytes written", self.bytes_written), ("rejected records", self.rejected.total), ("output", self.path)]
+
+    @property
+    def rejected_by_stage(self) -> dict:
+        return {"prepare": self.rejected.to_json()} if self.rejected.total else {}
 
 
 def _config_hash(cfg, spec_identity: dict) -> str:
@@ -59,7 +73,7 @@ def _prompt_ids(tokenizer, msgs: list[dict]) -> list[int]:
 def collect_records(cfg, rejected: RejectCounter, tokenizer=None) -> list[Record]:
     """Training records after eval de-duplication, duplicate removal and ``data.max_prompt_tokens``
     (needs ``tokenizer``), at most ``data.max_samples``."""
-    held_out = {normalize_text(p) for p in eval_prompts(cfg.data.eval)}
+    held_out = {normalize_text(p) for p in held_out_user_turns(cfg.data.eval)}
     seen: set[str] = set()
     ids: set[str] = set()
     kept: list[Record] = []

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,11 +51,6 @@ class RejectCounter:
         ex = self.examples.setdefault(reason, [])
         if len(ex) < 5:
             ex.append(f"{where}: {detail}" if detail else where)
-
-    def merge(self, other: "RejectCounter") -> None:
-        for r, n in other.counts.items():
-            self.counts[r] = self.counts.get(r, 0) + n
-            self.examples.setdefault(r, []).extend(other.examples.get(r, [])[: 5 - len(self.examples.get(r, []))])
 
     def to_json(self) -> dict:
         return {"counts": dict(sorted(self.counts.items())), "examples": self.examples}
@@ -209,34 +205,85 @@ def read_mtbench(path: str | Path | None = None, max_records: int | None = None)
     return out
 
 
-def eval_prompts(specs) -> list[str]:
-    """All user turns of the held-out sets (for de-duplication against training prompts)."""
+def read_mtbench_records(path: str | Path | None = None, max_records: int | None = None) -> Iterator[Record]:
+    """MT-Bench questions as records of user turns only (``mtbench:<question_id>``; no answers)."""
+    for q in read_mtbench(path, max_records):
+        yield Record(f"mtbench:{q['question_id']}", [{"role": "user", "content": t} for t in q["turns"]], "mtbench")
+
+
+def _read_chat_file(path: str | Path | None, max_records: int | None = None) -> Iterator[Record | Rejected]:
+    if not path:
+        raise ValueError("data source kind 'chat' needs a path")
+    return read_chat(path, max_records)
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    """One kind of prompt source: its reader (``read(path, max_records)`` -> records), and where it may be used:
+    ``train`` (``data.train``) and ``validate`` (``validation.eval``: first turns); every kind may be a held-out
+    set of ``data.eval``."""
+
+    read: Callable[..., Iterator[Record | Rejected]]
+    train: bool
+    validate: bool
+
+
+#: The prompt sources by ``kind`` (``SourceSpec.kind``).
+SOURCES: dict[str, SourceKind] = {
+    "sharegpt": SourceKind(read_sharegpt, train=True, validate=False),
+    "chat": SourceKind(_read_chat_file, train=True, validate=True),
+    "mtbench": SourceKind(read_mtbench_records, train=False, validate=True),
+}
+
+
+def _kind(spec) -> SourceKind:
+    try:
+        return SOURCES[spec.kind]
+    except KeyError:
+        raise ValueError(f"unknown source kind {spec.kind!r} (known: {sorted(SOURCES)})") from None
+
+
+def held_out_user_turns(specs) -> list[str]:
+    """Every user turn of the held-out sets (``data.eval``), to remove training records that repeat one."""
     prompts: list[str] = []
     for spec in specs:
-        if spec.kind == "mtbench":
-            for q in read_mtbench(spec.path, spec.max_records):
-                prompts.extend(q["turns"])
-        elif spec.kind == "chat":
-            for rec in read_chat(spec.path, spec.max_records):
-                if isinstance(rec, Record):
-                    prompts.extend(m["content"] for m in rec.messages if m["role"] == "user")
-        elif spec.kind == "sharegpt":
-            for rec in read_sharegpt(spec.path, spec.max_records):
-                if isinstance(rec, Record):
-                    prompts.extend(m["content"] for m in rec.messages if m["role"] == "user")
+        for rec in _kind(spec).read(spec.path, spec.max_records):
+            if isinstance(rec, Record):
+                prompts.extend(m["content"] for m in rec.messages if m["role"] == "user")
     return prompts
 
 
+def first_turn_prompts(specs, max_prompts: int) -> tuple[list[list[dict]], str]:
+    """The first turn (its first non-assistant message) of each record of the evaluation sets
+    (``validation.eval``), at most ``max_prompts``, and the sets' name (``mtbench``, ``chat:file.jsonl``, joined
+    by ``+``).
+
+    Raises:
+        ValueError: a kind that is not an evaluation set (sharegpt).
+    """
+    convs, names = [], []
+    for spec in specs:
+        kind = _kind(spec)
+        names.append(spec.kind if not spec.path else f"{spec.kind}:{os.path.basename(spec.path)}")
+        if not kind.validate:
+            raise ValueError(f"validation.eval: kind {spec.kind!r} is not an evaluation set "
+                             f"({', '.join(k for k, v in SOURCES.items() if v.validate)})")
+        for rec in kind.read(spec.path, spec.max_records):
+            if isinstance(rec, Record):
+                convs.append([m for m in rec.messages if m["role"] != "assistant"][:1])
+    return convs[:max_prompts], "+".join(names)
+
+
 def iter_source(spec) -> Iterator[Record | Rejected]:
-    if spec.kind == "sharegpt":
-        return read_sharegpt(spec.path, spec.max_records)
-    if spec.kind == "chat":
-        if not spec.path:
-            raise ValueError("data source kind 'chat' needs a path")
-        return read_chat(spec.path, spec.max_records)
-    if spec.kind == "mtbench":
+    """Records of one training source (``data.train``).
+
+    Raises:
+        ValueError: an unknown kind, an evaluation-only kind (mtbench), or a chat source without a path.
+    """
+    kind = _kind(spec)
+    if not kind.train:
         raise ValueError("MT-Bench is an evaluation set: list it under data.eval, not data.train")
-    raise ValueError(f"unknown source kind {spec.kind!r}")
+    return kind.read(spec.path, spec.max_records)
 
 
 def normalize_text(s: str) -> str:

@@ -38,6 +38,30 @@ class TrainSummary:
     seconds: float = 0.0
     skipped: bool = False
     checkpoint: str = ""
+    ttt_steps: int = 0
+
+    @property
+    def title(self) -> str:
+        return "train" + (" (already complete: skipped)" if self.skipped else "")
+
+    def _acc(self, prefix: str, m: dict) -> list[tuple[str, object]]:
+        return [(f"{prefix} acc pos {i}", m.get(f"val_full_acc_{i}", float("nan"))) for i in range(self.ttt_steps)]
+
+    def rows(self) -> list[tuple[str, object]]:
+        """(label, value) rows for the CLI's table."""
+        rows = [("steps", self.steps), ("resumed from step", "-" if self.resumed_from is None else self.resumed_from),
+                ("best step", self.best_step), ("seconds", f"{self.seconds:.1f}")]
+        rows += self._acc("untrained held-out", self.untrained_metrics) if self.untrained_metrics else []
+        rows += self._acc("best held-out", self.best_metrics)
+        return rows + [("tokens/s (last interval)", self.final_metrics.get("tokens_per_s", float("nan"))),
+                       ("best checkpoint", self.checkpoint)]
+
+    def headline(self) -> str:
+        nan = float("nan")
+        return (f"train: {self.steps} steps" + (" (already complete)" if self.skipped else "")
+                + (f"; held-out acc pos0 untrained {self.untrained_metrics.get('val_full_acc_0', nan):.3f}"
+                   if self.untrained_metrics else "")
+                + f"; best {self.best_metrics.get('val_full_acc_0', nan):.3f} at step {self.best_step}")
 
 
 def _check_manifest(man: dict, spec, where: str) -> None:
@@ -131,7 +155,8 @@ def train(cfg, hooks: WorkerHooks | None = None) -> TrainSummary:
     done = storage.read_json(paths.fs, f"{ck}/complete.json")
     if done and done.get("max_steps") == cfg.train.max_steps:
         return TrainSummary(steps=done["steps"], skipped=True, best_step=done.get("best_step"),
-                            best_metrics=done.get("best_metrics", {}), checkpoint=done.get("best_checkpoint", ""))
+                            best_metrics=done.get("best_metrics", {}), checkpoint=done.get("best_checkpoint", ""),
+                            ttt_steps=cfg.train.ttt_steps)
     if len(files) < 2:
         raise ValueError(f"{paths.uri}/hidden_states has {len(files)} block(s); training needs >= 2 "
                          "(one is held out). Extract more samples or lower extract.max_tokens_per_batch.")
@@ -184,7 +209,8 @@ def train(cfg, hooks: WorkerHooks | None = None) -> TrainSummary:
     final = result.metrics or {}
     summary = TrainSummary(steps=int(final.get("step", 0)), resumed_from=resumed[-1] if resumed else None,
                            best_step=best.get("step"), best_metrics=best, untrained_metrics=untrained,
-                           final_metrics=final, seconds=time.time() - t0, checkpoint=best_ckpt)
+                           final_metrics=final, seconds=time.time() - t0, checkpoint=best_ckpt,
+                           ttt_steps=cfg.train.ttt_steps)
     storage.write_json_atomic(paths.fs, f"{ck}/best.json", {"step": best.get("step"), "checkpoint": best_ckpt,
                                                             "metrics": best})
     storage.write_json_atomic(paths.fs, f"{ck}/complete.json", {

@@ -30,25 +30,42 @@ import time
 
 from . import storage
 from .artifacts import read_export_provenance, read_metrics
-from .sources import read_chat, read_mtbench, Record
+from .sources import first_turn_prompts
 
 log = logging.getLogger(__name__)
 
 
-def eval_prompts(specs, max_prompts: int) -> tuple[list[list[dict]], str]:
-    """First-turn prompts ([{"role": "user", ...}]) of the evaluation sets, and the set's name."""
-    convs, names = [], []
-    for spec in specs:
-        names.append(spec.kind if not spec.path else f"{spec.kind}:{os.path.basename(spec.path)}")
-        if spec.kind == "mtbench":
-            convs += [[{"role": "user", "content": q["turns"][0]}] for q in read_mtbench(spec.path, spec.max_records)]
-        elif spec.kind == "chat":
-            for rec in read_chat(spec.path, spec.max_records):
-                if isinstance(rec, Record):
-                    convs.append([m for m in rec.messages if m["role"] != "assistant"][:1])
+class ValidateReport(dict):
+    """``reports/validate.json`` as a dict (the fields DESIGN.md lists and more), plus how the CLI shows it."""
+
+    @property
+    def title(self) -> str:
+        return "validate" + (" (already validated: skipped)" if self.get("skipped") else "")
+
+    def rows(self) -> list[tuple[str, object]]:
+        """(label, value) rows for the CLI's table."""
+        r = self
+        rows = [
+            ("eval set / prompts", f"{r['eval_set']} / {r['num_prompts']}"),
+            ("num_speculative_tokens (k)", r["num_speculative_tokens"]),
+            ("compute dtype", r.get("dtype")),
+            ("mean acceptance length", r["mean_acceptance_length"]),
+            ("acceptance per position", ", ".join(f"{a:.3f}" for a in r["acceptance_per_position"])),
+            ("output tokens/s with draft", r["tokens_per_s_spec"]),
+            ("output tokens/s without", r["tokens_per_s_baseline"]), ("speedup", r["speedup"])]
+        greedy = r.get("greedy_check")
+        if greedy:
+            rows += [(f"greedy outputs identical ({greedy['dtype']})", r["greedy_identical"]),
+                     (f"  acceptance length ({greedy['dtype']})", greedy["mean_acceptance_length"]),
+                     (f"  greedy identical ({r.get('dtype')}, batch numerics)", r["greedy_identical_at_dtype"])]
         else:
-            raise ValueError(f"validation.eval: kind {spec.kind!r} is not an evaluation set (mtbench, chat)")
-    return convs[:max_prompts], "+".join(names)
+            rows.append(("greedy outputs identical", r["greedy_identical"]))
+        return rows + [("checkpoint step", r["checkpoint"]["step"])]
+
+    def headline(self) -> str:
+        return (f"mean acceptance length {self['mean_acceptance_length']:.3f} at k={self['num_speculative_tokens']} "
+                f"on {self['num_prompts']} {self['eval_set']} prompts; speedup {self['speedup']:.2f}; greedy "
+                f"identical {self['greedy_identical']}")
 
 
 def eval_prompt_ids(model_path: str, specs, max_prompts: int) -> tuple[list[list[int]], str]:
@@ -57,7 +74,7 @@ def eval_prompt_ids(model_path: str, specs, max_prompts: int) -> tuple[list[list
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    convs, name = eval_prompts(specs, max_prompts)
+    convs, name = first_turn_prompts(specs, max_prompts)
     prompts = []
     for c in convs:
         ids = tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True)
@@ -115,7 +132,7 @@ def plot_report(report: dict, history: list[dict], path_png: str) -> bytes:
     return buf.getvalue()
 
 
-def validate(cfg, force: bool = False) -> dict:
+def validate(cfg, force: bool = False) -> ValidateReport:
     """Run the validate stage; returns the report dict (also written to storage).
 
     Raises:
@@ -146,7 +163,7 @@ def validate(cfg, force: bool = False) -> dict:
             and old.get("settings") == settings and old.get("dtype") == dtype \
             and old.get("greedy_check_dtype", dtype) == (check_dtype if vc.temperature == 0 else None):
         old["skipped"] = True
-        return old
+        return ValidateReport(old)
     spec = VerifierSpec.from_config(cfg)
     tok = AutoTokenizer.from_pretrained(spec.model_path)  # decodes greedy differences for the report
     prompts, eval_name = eval_prompt_ids(spec.model_path, vc.eval, vc.max_prompts)
@@ -222,4 +239,4 @@ def validate(cfg, force: bool = False) -> dict:
     storage.write_bytes_atomic(paths.fs, f"{paths.sub('reports')}/validate.png", png)
     storage.write_json_atomic(paths.fs, rep_path, report)
     report["report_path"] = f"{paths.uri}/reports/validate.json"
-    return report
+    return ValidateReport(report)

@@ -190,3 +190,11 @@ def stop_verifier(spec: VerifierSpec) -> bool:
         serve.delete(name)
         return True
     return False
+
+
+def stop_all_verifiers() -> list[str]:
+    """Delete every eagle3ray verifier application on the cluster; returns their names."""
+    names = list(running_verifiers())
+    for n in names:
+        serve.delete(n)
+    return names

@@ -25,6 +25,18 @@ class VocabSummary:
     path: str
     skipped: bool = False
 
+    @property
+    def title(self) -> str:
+        return "vocab" + (" (already built: skipped)" if self.skipped else "")
+
+    def rows(self) -> list[tuple[str, object]]:
+        """(label, value) rows for the CLI's table."""
+        return [("draft vocabulary", self.draft_vocab_size), ("target vocabulary", self.target_vocab_size),
+                ("coverage of training answer tokens", self.coverage), ("output", self.path)]
+
+    def headline(self) -> str:
+        return f"vocab: {self.draft_vocab_size} tokens cover {self.coverage:.3f} of training answer tokens"
+
 
 def build_vocab(cfg, force: bool = False) -> VocabSummary:
     """Build (or reuse) the draft vocabulary of a run.

@@ -132,3 +132,36 @@ def test_verifier_identity_is_cached_per_folder_and_invalidated_by_changes(tiny_
     b = model_identity(str(folder), cache)
     assert b["chat_template_hash"] != a["chat_template_hash"] and b["config_hash"] == a["config_hash"]
     assert len(list((cache / "identity").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (DEFAULT_CONFIG.parent).glob("*.yaml")))
+def test_config_show_and_keys_work_on_every_shipped_config(name, monkeypatch):
+    """`eagle3ray config show` names where each resolved value came from; `config keys` lists every key."""
+    from typer.testing import CliRunner
+
+    from eagle3ray import machine
+    from eagle3ray.cli import app
+
+    monkeypatch.setattr(machine, "cpu_bf16_is_fast", lambda: False)
+    path = str(DEFAULT_CONFIG.parent / name)
+    r = CliRunner().invoke(app, ["config", "show", "-c", path, "train.lr=0.001"])
+    assert r.exit_code == 0, r.output
+    lines = {ln.split()[0]: ln for ln in r.output.splitlines() if ln.strip()}
+    assert lines["train.lr"].endswith("[override]") and "0.001" in lines["train.lr"]
+    assert lines["run.name"].endswith("[yaml]")
+    assert lines["run.endpoint_url"].endswith("[default]") or lines["run.endpoint_url"].endswith("[yaml]")
+    cfg_tree = yaml.safe_load(open(path))
+    if cfg_tree["verifier"].get("dtype", "auto") == "auto" and cfg_tree["verifier"].get("device", "cpu") == "cpu":
+        assert "resolved (was 'auto')" in lines["verifier.dtype"] and '"float32"' in lines["verifier.dtype"]
+    r = CliRunner().invoke(app, ["config", "show", "-c", path, "--yaml"])
+    assert r.exit_code == 0 and yaml.safe_load(r.output)["run"]["name"] == cfg_tree["run"]["name"]
+    r = CliRunner().invoke(app, ["config", "keys"])
+    assert r.exit_code == 0
+    shown = {ln.split()[0] for ln in r.output.splitlines() if ln.startswith("  ")}
+    assert {f"{sec}.{k}" for sec in cfg_tree for k in (cfg_tree[sec] or {})} <= shown
+
+
+def test_every_config_key_has_a_description():
+    from eagle3ray.config import describe_keys
+
+    assert not [r["key"] for r in describe_keys() if not r["description"]]

@@ -1,0 +1,166 @@
+"""The pipeline: the stage order, what each stage needs first, and ``run(cfg)`` for Python, the CLI and Ray Jobs.
+
+=========  ======================================================  ==================================
+stage      reads                                                   writes (under ``<storage>/<run>/``)
+=========  ======================================================  ==================================
+prepare    prompt sources (``data.train``, ``data.eval``)          conversations/
+extract    conversations/ (+ the verifier service)                 hidden_states/
+vocab      hidden_states/token_freq.safetensors                    vocab/
+train      hidden_states/ blocks, vocab/                           checkpoints/
+export     checkpoints/best.json, vocab/                           export/
+check      export/ (config.json, safetensors headers)              (a report; nothing written)
+validate   export/ (+ vLLM engines)                                reports/validate.{json,png}
+=========  ======================================================  ==================================
+
+Stages meet only in storage (:mod:`eagle3ray.artifacts`); each is skipped when its committed output already
+matches the config, so :func:`run` on an interrupted run resumes where it stopped. :func:`run_stage` with
+``with_needs=True`` also runs the stages a stage cannot start without (``extract`` needs ``prepare``'s output,
+``train`` the draft vocabulary), each skipped when done.
+
+Example (a notebook, or a Ray Job's entrypoint)::
+
+    from eagle3ray.config import load_config
+    from eagle3ray.pipeline import run
+    result = run(load_config("configs/smollm2-135m-cpu.yaml", ["data.max_samples=64"]))
+    result.summaries["validate"]["mean_acceptance_length"]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _prepare(cfg, progress: bool):
+    from .prepare import prepare
+
+    return prepare(cfg)
+
+
+def _extract(cfg, progress: bool):
+    from .extract import extract
+
+    return extract(cfg, progress=progress)
+
+
+def _vocab(cfg, progress: bool):
+    from .vocab import build_vocab
+
+    return build_vocab(cfg)
+
+
+def _train(cfg, progress: bool):
+    from .train import train
+
+    return train(cfg)
+
+
+def _export(cfg, progress: bool):
+    from .export import export
+
+    return export(cfg)
+
+
+def _check(cfg, progress: bool):
+    from . import storage
+    from .draft_check import check_draft
+    from .verifier import VerifierSpec
+
+    paths = storage.run_paths(cfg)
+    export_dir = paths.sub("export") if storage.is_local(paths.fs) else paths.uri + "/export"
+    return check_draft(export_dir, VerifierSpec.from_config(cfg).model_path)
+
+
+def _validate(cfg, progress: bool):
+    from .validate import validate
+
+    return validate(cfg)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its name, the stages whose output it needs (run first by ``run_stage(with_needs=True)``), and
+    the function that runs it (``fn(cfg, progress) -> summary``; every summary has ``title`` and ``rows()``)."""
+
+    name: str
+    needs: tuple[str, ...]
+    fn: Callable[[Any, bool], Any]
+
+
+#: The stages in pipeline order.
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("prepare", (), _prepare),
+    Stage("extract", ("prepare",), _extract),
+    Stage("vocab", (), _vocab),
+    Stage("train", ("vocab",), _train),
+    Stage("export", (), _export),
+    Stage("check", (), _check),
+    Stage("validate", (), _validate),
+)}
+
+
+class StageFailed(RuntimeError):
+    """A stage finished but its result says the run cannot go on (the export check found problems)."""
+
+    def __init__(self, stage: str, summary):
+        super().__init__(f"stage {stage} failed")
+        self.stage, self.summary = stage, summary
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` produced: each stage's summary and wall time (s), and the total wall time (s)."""
+
+    summaries: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    total_seconds: float = 0.0
+
+
+def run_stage(cfg, name: str, *, with_needs: bool = False, progress: bool = True,
+              on_stage: Callable[[str, str, Any, float], None] | None = None) -> Any:
+    """Run one stage (and, with ``with_needs``, the stages it needs first); returns its summary.
+
+    ``on_stage(event, stage, summary, seconds)`` is called with ``event`` "start" (summary None) and "end".
+
+    Raises:
+        KeyError: no such stage.
+        StageFailed: the check stage found problems (its report is ``.summary``).
+        whatever the stage raises (each documents it: a missing upstream output is ``FileNotFoundError``).
+    """
+    stage = STAGES[name]
+    if with_needs:
+        for need in stage.needs:
+            run_stage(cfg, need, with_needs=True, progress=progress, on_stage=on_stage)
+    if on_stage is not None:
+        on_stage("start", name, None, 0.0)
+    t = time.time()
+    summary = stage.fn(cfg, progress)
+    if on_stage is not None:
+        on_stage("end", name, summary, time.time() - t)
+    if getattr(summary, "ok", True) is False:
+        raise StageFailed(name, summary)
+    return summary
+
+
+def run(cfg, *, progress: bool = True, on_stage: Callable[[str, str, Any, float], None] | None = None) -> RunResult:
+    """The whole pipeline in :data:`STAGES` order, each stage skipped when its output already matches ``cfg``.
+
+    Raises:
+        StageFailed: the exported draft failed the vLLM compatibility check (validate does not run).
+        whatever a stage raises; everything committed before stays committed.
+    """
+    result = RunResult()
+    t0 = time.time()
+
+    def record(event: str, name: str, summary, seconds: float) -> None:
+        if event == "end":
+            result.summaries[name], result.seconds[name] = summary, seconds
+        if on_stage is not None:
+            on_stage(event, name, summary, seconds)
+
+    for name in STAGES:
+        run_stage(cfg, name, progress=progress, on_stage=record)
+    result.total_seconds = time.time() - t0
+    return result
