@@ -104,14 +104,15 @@ class VerifierSection(_Strict):
         description="Auxiliary hidden-state layer ids ('input to layer i' convention, vLLM/speculators). "
         "Default: speculators' [2, L//2, L-3]. The final pre-norm state (id L) is always appended.",
     )
-    enforce_eager: bool = Field(True, description="CPU: eager starts in ~30 s, compile mode ~130 s and is not faster.")
+    enforce_eager: bool = Field(True, description="CPU: eager mode starts several times faster than compile mode and was not slower "
+                               "(benchmarks/engine_startup.py).")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM's share of each GPU's memory.")
     cpu_kv_cache_gib: float = Field(2.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE in GiB.")
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per verifier replica.")
     cpu_threads: int | None = Field(
         None, ge=1, description="CPU only: torch threads of each vLLM engine run in-process (TP 1). Default: every "
         "core the engine's process may run on, as vLLM's own CPU worker binds; Ray would otherwise leave an actor "
-        "with num_cpus threads (1 here), which decoded at half the speed on 2 cores.",
+        "with num_cpus threads (1 here), which decoded slower (benchmarks/engine_startup.py).",
     )
     max_num_seqs: int = Field(64, ge=1, description="Sequences in flight per engine (generation).")
     ray_resources: dict[str, float] = Field(

@@ -439,10 +439,9 @@ def preflight(cfg, config_name: str = "", nodes: list[dict] | None = None) -> Pr
             f"{mem.activations_gib:.1f} + overhead {mem.overhead_gib:.1f}) > budget {mem.budget_gib:.1f} GiB "
             f"(verifier.gpu_memory_gib {v.gpu_memory_gib} x gpu_memory_utilization {v.gpu_memory_utilization}); {hint}")
     if v.device == "cpu" and v.dtype == "float32" and not cpu_bf16_is_fast():
-        rep.notes.append("this CPU has no AMX-BF16, so the verifier computes in float32 (on a 2-core CPU with "
-                         "AMX-BF16, fp32 regeneration and extraction ran 2.9x slower than bf16: benchmarks/dtype.py, "
-                         "README); the CPU config's sizes were chosen for bf16 (~20 minutes in fp32 at "
-                         "data.max_samples=720 train.max_steps=800)")
+        rep.notes.append("this CPU has no AMX-BF16, so the verifier computes in float32, several times slower than "
+                         "bf16 on a CPU with AMX-BF16 (benchmarks/dtype.py; figures in README): the CPU config's "
+                         "fixed sizes take that much longer here")
     if cfg.data.regenerate and cfg.data.regenerate_engine == "dedicated" and v.device == "cuda":
         rep.notes.append("data.regenerate_engine dedicated on GPUs: prepare loads a second copy of the verifier "
                          f"on {v.num_gpus} GPU(s) and needs them free of a running verifier service ('service' "
