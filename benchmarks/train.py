@@ -11,10 +11,11 @@ run (one whose extract stage finished), with the same per-step token budget:
    throughput from the workers' own report (tokens of the last checkpoint interval / its wall time,
    evaluation excluded).
 
-Prints tokens/s and the 1-worker overhead vs plain (target <= 15%). On a 2-core machine two workers
+Prints tokens/s per round and the medians over ``--rounds``, and the 1-worker overhead vs plain (target <= 15%).
+The 2-worker runs give each worker half of ``train.cpus_per_worker``, so both variants use the same CPUs. On a 2-core machine two workers
 share the same cores, so the 2-worker figure shows the cost of data parallelism, not a speed-up.
 
-    .venv/bin/python benchmarks/train.py -c configs/smollm2-135m-cpu.yaml --steps 20
+    .venv/bin/python benchmarks/train.py -c configs/smollm2-135m-cpu.yaml --steps 20 --rounds 3
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("-c", "--config", default=None)
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each variant; medians are printed")
     args = ap.parse_args()
 
     import pyarrow.parquet as pq
@@ -75,37 +77,46 @@ def main() -> None:
                     for row in pq.read_table(fh).to_pylist():
                         yield row["sample_id"], row_to_sample(row)
 
-    step_times, step_tokens = [], []
-    for i, group in enumerate(pack_rows(rows(), budget)):
-        if i >= args.steps + 2:
-            break
-        t = time.time()
-        batch = step.collate([s for _, s in group])
-        step.step(batch)
-        if i >= 2:
+    stream = iter(pack_rows(rows(), budget))
+    for _ in range(2):  # warm-up steps, untimed
+        step.step(step.collate([s for _, s in next(stream)]))
+    rounds: dict[str, list[float]] = {"plain": [], "ray_train_1w": [], "ray_train_2w": []}
+    for r in range(args.rounds):
+        step_times, step_tokens = [], []
+        for _ in range(args.steps):
+            group = next(stream)
+            t = time.time()
+            batch = step.collate([s for _, s in group])
+            step.step(batch)
             step_times.append(time.time() - t)
             step_tokens.append(int((batch["document_ids"] >= 0).sum()))
-    plain = sum(step_tokens) / sum(step_times)
-    print(f"plain loop: {plain:.0f} tok/s (median step {statistics.median(step_times):.2f} s)", flush=True)
+        rounds["plain"].append(sum(step_tokens) / sum(step_times))
+        print(f"round {r + 1}: plain loop {rounds['plain'][-1]:.0f} tok/s (median step "
+              f"{statistics.median(step_times):.2f} s)", flush=True)
     del step
 
-    results = {"plain": plain}
     tmp = tempfile.mkdtemp(prefix="e3r-bench-train-")
-    for workers in (1, 2):
-        name = f"bench-train-{workers}w"
-        over = [*args.overrides, f"run.storage=file://{tmp}", f"run.name={name}",
-                f"train.num_workers={workers}", f"train.max_steps={args.steps}",
-                f"train.checkpoint_every={max(1, args.steps // 2)}", "train.max_failures=0"]
-        wcfg = load_config(args.config, over)
-        dst = storage.run_paths(wcfg)
-        for sub in ("hidden_states", "vocab", "conversations"):
-            src.fs.copy(src.sub(sub), dst.sub(sub), recursive=True)
-        s = train(wcfg)
-        tps = s.final_metrics.get("tokens_per_s", float("nan"))
-        results[f"ray_train_{workers}w"] = tps
-        print(f"ray train {workers} worker(s): {tps:.0f} tok/s (last interval of {args.steps // 2} steps)",
-              flush=True)
-    print("\ntokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in results.items()))
+    for r in range(args.rounds):
+        for workers in (1, 2):
+            name = f"bench-train-{workers}w-r{r}"
+            # N workers share the CPUs one worker has (the same cores, so the figure is data parallelism's cost);
+            # more would starve Ray Data's read tasks of the local cluster's logical CPUs
+            over = [*args.overrides, f"run.storage=file://{tmp}", f"run.name={name}",
+                    f"train.num_workers={workers}", f"train.cpus_per_worker={cfg.train.cpus_per_worker / workers:g}",
+                    f"train.max_steps={args.steps}",
+                    f"train.checkpoint_every={max(1, args.steps // 2)}", "train.max_failures=0"]
+            wcfg = load_config(args.config, over)
+            dst = storage.run_paths(wcfg)
+            for sub in ("hidden_states", "vocab", "conversations"):
+                src.fs.copy(src.sub(sub), dst.sub(sub), recursive=True)
+            s = train(wcfg)
+            tps = s.final_metrics.get("tokens_per_s", float("nan"))
+            rounds[f"ray_train_{workers}w"].append(tps)
+            print(f"round {r + 1}: ray train {workers} worker(s) {tps:.0f} tok/s (last interval of "
+                  f"{args.steps // 2} steps)", flush=True)
+    results = {k: statistics.median(v) for k, v in rounds.items()}
+    plain = results["plain"]
+    print(f"\nmedians over {args.rounds} rounds, tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in results.items()))
     print(f"1-worker overhead vs plain: {(1 - results['ray_train_1w'] / plain) * 100:.1f}% (target <= 15%)")
     print(f"2 workers / 1 worker: {results['ray_train_2w'] / results['ray_train_1w']:.2f}")
 

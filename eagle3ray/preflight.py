@@ -337,7 +337,10 @@ def check_cluster(req: dict, nodes: list[dict]) -> list[str]:
     """Problems placing ``req`` on ``nodes`` (``ray.nodes()``-style dicts with ``Resources`` and ``Alive``).
 
     A replica's TP GPUs must sit on one node (STRICT_PACK); ``min_replicas`` of them must fit at once;
-    training's GPUs must exist in the cluster.
+    training's GPUs must exist in the cluster. Training starts while the verifier service still holds its
+    replicas (it stays up for later jobs), so the train workers' CPUs must fit beside the replicas' CPUs, and
+    each worker's bundle on one node; otherwise Ray Train's placement group stays pending and the worker group
+    start times out and retries for ever.
     """
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
     tp = len(req["replica_bundles"])
@@ -356,6 +359,18 @@ def check_cluster(req: dict, nodes: list[dict]) -> list[str]:
     need_cpu = req["verifier_replica"]["CPU"] * req["min_replicas"]
     if need_cpu > total_cpu:
         out.append(f"verifier.num_cpus x extract.min_replicas = {need_cpu:g} CPUs; the cluster has {total_cpu:g}")
+        return out
+    w_cpu = req["train_worker"]["CPU"]
+    train_cpu = w_cpu * req["train_workers"]
+    if need_cpu + train_cpu > total_cpu:
+        out.append(f"train.num_workers {req['train_workers']} x train.cpus_per_worker {w_cpu:g} = {train_cpu:g} CPUs "
+                   f"beside the verifier service's {need_cpu:g} (verifier.num_cpus x extract.min_replicas, kept up "
+                   f"during training) need {need_cpu + train_cpu:g}; the cluster has {total_cpu:g}: give Ray more "
+                   f"logical CPUs (ray start --num-cpus={math.ceil(need_cpu + train_cpu)}) or lower "
+                   "train.cpus_per_worker")
+    elif alive and w_cpu > max(r.get("CPU", 0) for r in alive):
+        out.append(f"train.cpus_per_worker {w_cpu:g}: no node has that many CPUs (largest: "
+                   f"{max(r.get('CPU', 0) for r in alive):g})")
     return out
 
 

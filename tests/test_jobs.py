@@ -133,3 +133,74 @@ def test_pipeline_as_ray_job_then_second_job_reuses_verifier(cluster, tiny_verif
     assert reused, logs2[-3000:]
     assert reused.group(1) == started.group(1) and reused.group(2) == started.group(2)
     assert reused.group(3) == "1"  # the replica process loaded its engine once
+
+
+def _readme_block(heading: str) -> str:
+    """The first ```bash block after ``heading`` in README.md."""
+    text = (REPO / "README.md").read_text()
+    after = text[text.index(heading):]
+    start = after.index("```bash\n") + len("```bash\n")
+    return after[start:after.index("```", start)]
+
+
+def test_readme_jobs_block_works_as_written_from_a_plain_shell(tmp_path, tiny_verifier):
+    """README's Ray Jobs block, pasted into a shell where the venv is not activated, runs the pipeline as a job.
+
+    The test changes only what must differ on a shared test machine: the cluster's ports and temp dir (so that
+    it stops exactly its own processes instead of `ray stop`, which would stop every cluster here), the address
+    `auto` (another test cluster may be the machine's latest), and small sizes for the job (the tiny verifier).
+    """
+    import shlex
+
+    import psutil
+
+    block = _readme_block("## Ray Jobs")
+    assert "ray job submit" in block and "jobs/run.py" in block
+    ports: set[int] = set()
+    while len(ports) < 9:
+        ports.add(free_port())
+    gcs, dash, *agent_ports = sorted(ports)
+    temp_dir = f"/tmp/e3r-readme-{os.getpid()}"
+    cluster_args = [f"--port={gcs}", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+                    *(f"--{n}={p}" for n, p in zip((
+                        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+                        "runtime-env-agent-port", "node-manager-port", "object-manager-port",
+                        "ray-client-server-port"), agent_ports))]
+    train_file = write_chat_jsonl(tmp_path / "train.jsonl", _convs(24, seed=5))
+    small = [f"run.storage=file://{tmp_path}/runs", "run.name=readme-jobs", f"verifier.model={tiny_verifier}",
+             f"verifier.aux_layer_ids={TINY_AUX}", "verifier.max_model_len=512", "verifier.cpu_kv_cache_gib=1",
+             "verifier.num_cpus=0.5", "verifier.dtype=float32", f"data.train=[{{kind: chat, path: {train_file}}}]",
+             "data.regenerate=false", "data.max_prompt_tokens=null", "extract.max_tokens_per_batch=512",
+             "vocab.draft_vocab_size=256", "train.max_steps=4", "train.checkpoint_every=2",
+             "train.max_tokens_per_batch=256", "train.val_fraction=0.2", "validation.max_prompts=2",
+             "validation.max_new_tokens=8", "validation.max_num_seqs=2", "validation.greedy_check_dtype=null"]
+    lines = []
+    for line in block.replace("\\\n", " ").splitlines():
+        if line.strip().startswith(".venv/bin/ray stop"):
+            continue  # stopped below, this cluster only
+        line = line.replace("127.0.0.1:8265", f"127.0.0.1:{dash}").replace("ray.address=auto",
+                                                                          f"ray.address=127.0.0.1:{gcs}")
+        if "ray start" in line:
+            line += " " + " ".join(cluster_args)
+        if "eagle3ray check" in line or "jobs/run.py" in line:
+            line += " " + " ".join(shlex.quote(o) for o in small)
+        lines.append(line)
+    script = "set -euo pipefail\n" + "\n".join(lines) + "\n"
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ["HOME"], "LANG": "C.UTF-8",
+           "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x"}
+    try:
+        r = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if temp_dir in cmdline or f"--gcs-address=127.0.0.1:{gcs}" in cmdline or f":{gcs} " in cmdline:
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except psutil.Error:
+                    pass
+        subprocess.run(["rm", "-rf", temp_dir])
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, script + "\n----\n" + out[-5000:]
+    assert "mean acceptance length" in out
+    report = yaml.safe_load((tmp_path / "runs" / "readme-jobs" / "reports" / "validate.json").read_text())
+    assert report["num_prompts"] == 2

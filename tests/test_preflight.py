@@ -201,3 +201,15 @@ def test_fp32_on_a_cpu_without_amx_is_noted(monkeypatch):
     assert len(note(load_config(None, ["verifier.dtype=float32"]))) == 1
     monkeypatch.setattr(pf, "cpu_bf16_is_fast", lambda: True)
     assert not note(load_config(None, ["verifier.dtype=float32"]))
+
+
+def test_cluster_check_catches_a_train_worker_that_cannot_fit_beside_the_service():
+    """README's 2-CPU `ray start --head` with the CPU config: the service keeps 1 CPU, the worker asks for 2."""
+    cfg = load_config(None)
+    node = {"Alive": True, "Resources": {"CPU": 2.0}}
+    probs = check_cluster(required_resources(cfg), [node])
+    assert len(probs) == 1 and "train.cpus_per_worker 2" in probs[0] and "ray start --num-cpus=3" in probs[0], probs
+    assert check_cluster(required_resources(cfg), [{"Alive": True, "Resources": {"CPU": 4.0}}]) == []
+    probs = check_cluster(required_resources(load_config(None, ["train.cpus_per_worker=3"])),
+                          [{"Alive": True, "Resources": {"CPU": 2.0}}] * 3)
+    assert len(probs) == 1 and "no node has that many CPUs" in probs[0], probs
