@@ -39,31 +39,39 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A Ray head on 127.0.0.1 with the dashboard and token auth; yields the dashboard address."""
-    import psutil
-
     tmp = tmp_path_factory.mktemp("raycluster")
     temp_dir = f"/tmp/e3r-jobs-{os.getpid()}"  # short: Ray's socket paths must stay under 108 chars
-    ports: set[int] = set()
-    while len(ports) < 9:
-        ports.add(free_port())
-    gcs, dash, *agent_ports = sorted(ports)
+    gcs, dash, port_args = _cluster_ports(temp_dir)
     # `ray start` with RAY_AUTH_MODE=token needs a token; create the default one if this machine has none.
     r = subprocess.run([str(VENV_BIN / "ray"), "get-auth-token", "--generate"], env=_env(), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-           "--num-cpus=4", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-           # The other test modules' in-process cluster holds Ray's default agent ports: take free ones.
-           *(f"--{name}={port}" for name, port in zip((
-               "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-               "runtime-env-agent-port", "node-manager-port", "object-manager-port", "ray-client-server-port"),
-               agent_ports))]
+    cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--include-dashboard=true",
+           "--dashboard-host=127.0.0.1", "--num-cpus=4", *port_args]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     address = f"http://127.0.0.1:{dash}"
     yield {"address": address, "tmp": tmp}
-    # Stop only this cluster's processes (identified by its temp dir / GCS port).
+    _stop_cluster(temp_dir, gcs)
+
+
+def _cluster_ports(temp_dir: str) -> tuple[int, int, list[str]]:
+    """(GCS port, dashboard port, `ray start` arguments) for a cluster of its own: free ports and ``temp_dir``.
+    The other test modules' in-process cluster holds Ray's default ports."""
+    ports: set[int] = set()
+    while len(ports) < 9:
+        ports.add(free_port())
+    gcs, dash, *agent_ports = sorted(ports)
+    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+             "runtime-env-agent-port", "node-manager-port", "object-manager-port", "ray-client-server-port")
+    return gcs, dash, [f"--port={gcs}", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
+                       "--disable-usage-stats", *(f"--{n}={p}" for n, p in zip(names, agent_ports))]
+
+
+def _stop_cluster(temp_dir: str, gcs: int) -> None:
+    """Stop only this cluster's processes (identified by its temp dir / GCS port), never `ray stop`'s all."""
+    import psutil
+
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmdline = " ".join(p.info["cmdline"] or [])
         if temp_dir in cmdline or f"--gcs-address=127.0.0.1:{gcs}" in cmdline or f":{gcs} " in cmdline:
@@ -152,20 +160,10 @@ def test_readme_jobs_block_works_as_written_from_a_plain_shell(tmp_path, tiny_ve
     """
     import shlex
 
-    import psutil
-
     block = _readme_block("## Ray Jobs")
     assert "ray job submit" in block and "jobs/run.py" in block
-    ports: set[int] = set()
-    while len(ports) < 9:
-        ports.add(free_port())
-    gcs, dash, *agent_ports = sorted(ports)
     temp_dir = f"/tmp/e3r-readme-{os.getpid()}"
-    cluster_args = [f"--port={gcs}", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-                    *(f"--{n}={p}" for n, p in zip((
-                        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-                        "runtime-env-agent-port", "node-manager-port", "object-manager-port",
-                        "ray-client-server-port"), agent_ports))]
+    gcs, dash, cluster_args = _cluster_ports(temp_dir)
     train_file = write_chat_jsonl(tmp_path / "train.jsonl", _convs(24, seed=5))
     small = [f"run.storage=file://{tmp_path}/runs", "run.name=readme-jobs", f"verifier.model={tiny_verifier}",
              f"verifier.aux_layer_ids={TINY_AUX}", "verifier.max_model_len=512", "verifier.cpu_kv_cache_gib=1",
@@ -191,14 +189,7 @@ def test_readme_jobs_block_works_as_written_from_a_plain_shell(tmp_path, tiny_ve
     try:
         r = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     finally:
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            cmdline = " ".join(p.info["cmdline"] or [])
-            if temp_dir in cmdline or f"--gcs-address=127.0.0.1:{gcs}" in cmdline or f":{gcs} " in cmdline:
-                try:
-                    p.send_signal(signal.SIGKILL)
-                except psutil.Error:
-                    pass
-        subprocess.run(["rm", "-rf", temp_dir])
+        _stop_cluster(temp_dir, gcs)
     out = r.stdout + r.stderr
     assert r.returncode == 0, script + "\n----\n" + out[-5000:]
     assert "mean acceptance length" in out
