@@ -51,6 +51,18 @@ class RunSection(_Strict):
         None, description="S3-compatible endpoint (e.g. http://127.0.0.1:9000). Credentials come from the environment."
     )
 
+    @field_validator("storage", "endpoint_url")
+    @classmethod
+    def _no_credentials_in_urls(cls, v: str | None, info) -> str | None:
+        """Credentials come from the environment or secrets, never from a config (it is logged and written to
+        ``config.resolved.yaml``): a URL with ``user:password@`` or ``key@`` before its host is rejected."""
+        if v and "://" in v:
+            netloc = v.split("://", 1)[1].split("/", 1)[0]
+            if "@" in netloc:
+                raise ValueError(f"run.{info.field_name}: the URL carries credentials before '@'; remove them and "
+                                 "set them in the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) or a secret")
+        return v
+
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
@@ -272,6 +284,12 @@ class TrainSection(_Strict):
     shuffle_buffer_rows: int = Field(64, ge=0, description="Ray Data local shuffle buffer, in samples.")
     max_failures: int = Field(1, ge=0, description="Worker-group restarts from the last checkpoint (FailureConfig).")
     seed: int = Field(0, description="Draft initialisation and data shuffling seed.")
+
+    @field_validator("autocast", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` (in a file or `train.autocast=off` on the command line) as false
+        return "off" if v is False else v
 
 
 class ValidateSection(_Strict):

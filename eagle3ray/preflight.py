@@ -457,6 +457,11 @@ def preflight(cfg, config_name: str = "", nodes: list[dict] | None = None) -> Pr
         rep.notes.append("this CPU has no AMX-BF16, so the verifier computes in float32, several times slower than "
                          "bf16 on a CPU with AMX-BF16 (benchmarks/dtype.py; figures in README): the CPU config's "
                          "fixed sizes take that much longer here")
+    if v.max_model_len > cfg.train.max_tokens_per_batch:
+        rep.notes.append(f"train.max_tokens_per_batch {cfg.train.max_tokens_per_batch:,} < verifier.max_model_len "
+                         f"{v.max_model_len:,}: a longer sample fills a training step alone and is trained on its "
+                         f"first {cfg.train.max_tokens_per_batch:,} tokens (counted as truncated_samples in the "
+                         "training reports)")
     if cfg.data.regenerate and cfg.data.regenerate_engine == "dedicated" and v.device == "cuda":
         rep.notes.append("data.regenerate_engine dedicated on GPUs: prepare loads a second copy of the verifier "
                          f"on {v.num_gpus} GPU(s) and needs them free of a running verifier service ('service' "

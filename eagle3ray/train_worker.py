@@ -90,8 +90,17 @@ def pack_rows(rows, max_tokens: int):
     return pack_by_tokens(rows, max_tokens, lambda r: int(r[1]["lengths"][0]))
 
 
+class NonFiniteLoss(RuntimeError):
+    """A training step produced a NaN/Inf loss or gradient norm; the message names the step and its samples.
+    Raised before the optimizer step, so no checkpoint holds the damage."""
+
+
 class EpochBatches:
     """One epoch of a Ray Data shard as packed batches ``(sample_ids, batch)``, skipping ``skip`` ids.
+
+    A sample longer than ``train.max_tokens_per_batch`` (shifted tokens) fills a batch alone and speculators'
+    ``CollateFn`` trains on its first ``max_tokens_per_batch`` tokens: such samples are counted in ``truncated``
+    (reported as ``truncated_samples``) and the first one is logged, never truncated silently.
 
     ``drain()`` consumes the rest of the epoch without decoding it (streaming splits expect full epochs) and
     returns the number of rows it skipped.
@@ -103,12 +112,21 @@ class EpochBatches:
                                            local_shuffle_buffer_size=tc["shuffle_buffer_rows"] or None,
                                            local_shuffle_seed=seed if tc["shuffle_buffer_rows"] else None))
         self._step, self._skip, self._all = step, skip, all_positions
+        self.truncated = 0
 
     def _rows(self):
+        budget = self._step.tc["max_tokens_per_batch"]
         for tbl in self._it:
             for row in tbl.to_pylist():
                 if row["sample_id"] not in self._skip:
-                    yield row["sample_id"], row_to_sample(row, self._all)
+                    sample = row_to_sample(row, self._all)
+                    n = int(sample["lengths"][0])
+                    if n > budget:
+                        if not self.truncated:
+                            log.warning("sample %s has %d tokens > train.max_tokens_per_batch %d: trained on its "
+                                        "first %d (counted as truncated_samples)", row["sample_id"], n, budget, budget)
+                        self.truncated += 1
+                    yield row["sample_id"], sample
 
     def __iter__(self):
         for group in pack_rows(self._rows(), self._step.tc["max_tokens_per_batch"]):
@@ -227,14 +245,24 @@ class DraftStep:
                 loss_config=self.loss_cfg)
         return loss, metrics
 
-    def step(self, batch: dict) -> dict:
-        """Forward, backward, clip to ``train.grad_clip``, AdamW and scheduler step; returns the metric sums."""
+    def step(self, batch: dict, where: str = "a step") -> dict:
+        """Forward, backward, clip to ``train.grad_clip``, AdamW and scheduler step; returns the metric sums.
+
+        Raises:
+            NonFiniteLoss: the loss or the gradient norm is NaN/Inf (``where`` names the step and samples); the
+                weights and optimizer state are left as they were before the step.
+        """
         import torch
 
         loss, metrics = self.forward(batch, training=True)
+        if not torch.isfinite(loss.detach()).all():
+            raise NonFiniteLoss(f"{where}: loss is {loss.item()}; the weights were not updated")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.trainable, self.tc["grad_clip"])
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.tc["grad_clip"])
+        if not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLoss(f"{where}: gradient norm is {norm.item()}; the weights were not updated")
         self.optimizer.step()
         self.scheduler.step()
         return metrics
@@ -469,7 +497,7 @@ def train_loop_per_worker(config: dict) -> None:
                 tail += len(ids) + batches.drain()
                 break
             hooks.before_step(pos.step, rank, world, resumed is not None)
-            accumulate(sums, step.step(batch))
+            accumulate(sums, step.step(batch, f"step {pos.step + 1} (epoch {pos.epoch}, samples {ids})"))
             pos.step += 1
             mine.update(ids)
             tokens_since += int((batch["document_ids"] >= 0).sum())
@@ -483,7 +511,8 @@ def train_loop_per_worker(config: dict) -> None:
                 dt, train_m = time.time() - t_last, summarize(comm.all_sum(sums), tc["ttt_steps"], "train_")
                 tok = comm.all_sum({"t": float(tokens_since)})["t"]
                 report = {"step": pos.step, "epoch": pos.epoch, **train_m, **evaluate(),
-                          "tokens_per_s": tok / max(dt, 1e-9), "lr": step.lr, "epoch_tail_samples": tail}
+                          "tokens_per_s": tok / max(dt, 1e-9), "lr": step.lr, "epoch_tail_samples": tail,
+                          "truncated_samples": comm.all_sum({"n": float(batches.truncated)})["n"]}
                 _report(config, step, rank, pos, mine, report)
                 sums, tokens_since, t_last = {}, 0, time.time()
             if pos.step >= tc["max_steps"]:

@@ -165,3 +165,19 @@ def test_every_config_key_has_a_description():
     from eagle3ray.config import describe_keys
 
     assert not [r["key"] for r in describe_keys() if not r["description"]]
+
+
+def test_urls_with_credentials_are_rejected_without_echoing_them():
+    for override in ("run.storage=s3://AKIAXXXX:s3cr3t@bucket/runs", "run.endpoint_url=http://user:pw@127.0.0.1:9000"):
+        with pytest.raises(ConfigError, match="carries credentials") as e:
+            load_config(None, [override])
+        assert "s3cr3t" not in str(e.value) and "pw@" not in str(e.value)
+    assert load_config(None, ["run.endpoint_url=http://127.0.0.1:9000"]).run.endpoint_url == "http://127.0.0.1:9000"
+
+
+def test_autocast_off_is_read_as_written(tmp_path):
+    """YAML reads a bare `off` as false; `train.autocast: off` still means off, in a file and as an override."""
+    assert load_config(None, ["train.autocast=off"]).train.autocast == "off"
+    f = tmp_path / "c.yaml"
+    f.write_text("run: {name: r}\ntrain: {autocast: off}\n")
+    assert load_config(f).train.autocast == "off"

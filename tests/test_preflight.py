@@ -213,3 +213,10 @@ def test_cluster_check_catches_a_train_worker_that_cannot_fit_beside_the_service
     probs = check_cluster(required_resources(load_config(None, ["train.cpus_per_worker=3"])),
                           [{"Alive": True, "Resources": {"CPU": 2.0}}] * 3)
     assert len(probs) == 1 and "no node has that many CPUs" in probs[0], probs
+
+
+def test_a_step_budget_below_the_sample_length_is_flagged():
+    notes = [n for n in preflight(_cfg("qwen3-8b")).notes if n.startswith("train.max_tokens_per_batch")]
+    assert len(notes) == 1 and "truncated_samples" in notes[0], notes
+    fits = _cfg("qwen3-8b", "train.max_tokens_per_batch=16384")
+    assert not [n for n in preflight(fits).notes if n.startswith("train.max_tokens_per_batch")]

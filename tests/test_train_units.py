@@ -163,3 +163,78 @@ def test_blocks_of_another_compute_dtype_are_not_resumed():
     # manifests from before the dtype was recorded still resume
     old = new_manifest(ident, [1, 2, 3, 4], "bfloat16", conv)
     check_compatible(old, new_manifest({**ident, "compute_dtype": "float32"}, [1, 2, 3, 4], "bfloat16", conv), "m")
+
+
+def _tiny_step(tiny_verifier, max_tokens: int = 64):
+    """A DraftStep on the tiny verifier (draft vocabulary 512), on the CPU."""
+    import torch
+
+    from eagle3ray.config import load_config
+    from eagle3ray.train_worker import DraftStep
+
+    cfg = load_config(None, ["vocab.draft_vocab_size=512", f"train.max_tokens_per_batch={max_tokens}",
+                             "train.autocast=off"])
+    d2t, t2d = torch.zeros(512, dtype=torch.long), torch.zeros(49152, dtype=torch.bool)
+    t2d[:512] = True
+    torch.manual_seed(0)
+    step = DraftStep.build(cfg.train.model_dump(), tiny_verifier, [2, 4, 5], d2t, t2d, 128, autocast_bf16=False)
+    step.to_device(torch.device("cpu"))
+    return step
+
+
+def _rows(lengths: list[int], bad: bool = False) -> list[dict]:
+    import numpy as np
+
+    from eagle3ray.blocks import build_block, to_storage_bytes
+
+    import torch
+
+    samples, results = [], []
+    for i, T in enumerate(lengths):
+        st = torch.randn(T, 4, 128)
+        if bad:
+            st[T // 2, 0, 0] = float("nan")
+        samples.append({"sample_id": f"s{i}", "input_ids": list(np.arange(T) % 500), "loss_mask": [1] * T})
+        results.append({"sample_id": f"s{i}", "hidden_states": to_storage_bytes(st, "float32"), "shape": [T, 4, 128]})
+    return build_block(samples, results, "float32").to_pylist()
+
+
+class _Shard:
+    """What the loop calls on a Ray Data shard: iter_batches() -> pyarrow tables."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def iter_batches(self, **_):
+        import pyarrow as pa
+
+        from eagle3ray.blocks import BLOCK_SCHEMA
+
+        yield pa.Table.from_pylist(self.rows, schema=BLOCK_SCHEMA)
+
+
+def test_a_nan_loss_stops_training_naming_the_step_and_samples_before_any_update(tiny_verifier):
+    import torch
+
+    from eagle3ray.train_worker import EpochBatches, NonFiniteLoss
+
+    step = _tiny_step(tiny_verifier)
+    ids, batch = next(iter(EpochBatches(_Shard(_rows([40], bad=True)), step, 0, set())))
+    before = {n: p.detach().clone() for n, p in step.core.named_parameters() if p.requires_grad}
+    with pytest.raises(NonFiniteLoss, match=r"step 7 \(samples \['s0'\]\): loss is nan"):
+        step.step(batch, f"step 7 (samples {ids})")
+    assert all(torch.equal(before[n], p) for n, p in step.core.named_parameters() if p.requires_grad)
+    _, good = next(iter(EpochBatches(_Shard(_rows([40])), step, 0, set())))
+    assert "loss_sum" in step.step(good)  # a finite batch trains as before
+
+
+def test_samples_longer_than_the_step_budget_are_counted_not_silently_truncated(tiny_verifier, caplog):
+    from eagle3ray.train_worker import EpochBatches
+
+    step = _tiny_step(tiny_verifier, max_tokens=64)
+    batches = EpochBatches(_Shard(_rows([30, 200, 20, 90])), step, 0, set())
+    with caplog.at_level("WARNING"):
+        groups = [ids for ids, _ in batches]
+    assert ["s1"] in groups and ["s3"] in groups  # each long sample fills a step alone
+    assert batches.truncated == 2
+    assert "sample s1 has 199 tokens > train.max_tokens_per_batch 64" in caplog.text
