@@ -63,6 +63,46 @@ class ManifestMismatch(ValueError):
     """Existing blocks were made with other settings than the current config."""
 
 
+class CorruptBlocks(ValueError):
+    """Committed blocks are missing or differ from their manifest entry (size or sha256).
+
+    ``problems`` maps each block's path (relative to ``hidden_states/``) to what is wrong; the message names them
+    and the way out (``eagle3ray verify -c CONFIG --repair`` drops them so that their samples are extracted again).
+    """
+
+    def __init__(self, where: str, problems: dict[str, str]):
+        self.problems = problems
+        shown = "; ".join(f"{p}: {why}" for p, why in list(problems.items())[:5])
+        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+        super().__init__(f"{where}: {len(problems)} committed block(s) are missing or corrupt: {shown}{more}. "
+                         "Run `eagle3ray verify -c CONFIG --repair` to drop them from the manifest; `eagle3ray "
+                         "extract` then extracts their samples again")
+
+
+def verify_block(fs, hs_root: str, entry: dict, sha256: bool = True) -> str | None:
+    """What is wrong with one committed block, or None when it matches its manifest entry.
+
+    Checks, cheapest first: the file exists; its size is ``entry["bytes"]`` (a truncated or rewritten block);
+    with ``sha256``, the sha256 of its bytes (read streamed, 8 MiB at a time) is ``entry["sha256"]`` (a flipped
+    byte, which an uncompressed Parquet file would not reveal on read).
+    """
+    path = f"{hs_root}/{entry['path']}"
+    try:
+        size = fs.info(path)["size"]
+    except FileNotFoundError:
+        return "missing"
+    if size != entry["bytes"]:
+        return f"{size} bytes, the manifest says {entry['bytes']} (truncated or rewritten)"
+    if sha256:
+        h = hashlib.sha256()
+        with fs.open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(8 << 20), b""):
+                h.update(chunk)
+        if h.hexdigest() != entry["sha256"]:
+            return "sha256 differs from the manifest's (corrupt bytes)"
+    return None
+
+
 def to_storage_bytes(states, storage_dtype: str) -> bytes:
     """Encode a torch tensor [T, L, H] as raw little-endian bytes of ``storage_dtype``."""
     import torch
@@ -211,16 +251,23 @@ class Manifest:
     @classmethod
     def open(cls, fs, hs_root: str, fresh: dict, where: str) -> "Manifest":
         """The stored manifest when there is one (checked against ``fresh`` with :func:`check_compatible`), else
-        ``fresh`` (not yet written).
+        ``fresh`` (not yet written). An unfinished one, about to be resumed, has its blocks checked by size
+        (every one is read for its sample ids next).
 
         Raises:
             ManifestMismatch: the stored blocks were made with other settings.
+            CorruptBlocks: a committed block of an unfinished manifest is missing or has another size.
         """
         existing = storage.read_json(fs, f"{hs_root}/manifest.json")
         if existing is None:
             return cls(fs, hs_root, fresh)
         check_compatible(existing, fresh, where)
-        return cls(fs, hs_root, existing)
+        man = cls(fs, hs_root, existing)
+        if not man.complete:
+            problems = man.verify(sha256=False)
+            if problems:
+                raise CorruptBlocks(where, problems)
+        return man
 
     @property
     def path(self) -> str:
@@ -257,6 +304,39 @@ class Manifest:
                 self.fs.rm(f)
                 removed += 1
         return removed
+
+    def verify(self, sha256: bool = True, threads: int = 8) -> dict[str, str]:
+        """``{path: problem}`` for every committed block that :func:`verify_block` finds wrong (``threads`` blocks
+        are checked at once; object stores serve them in parallel)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        entries = list(self.data["blocks"])
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            found = pool.map(lambda e: verify_block(self.fs, self.root, e, sha256), entries)
+            return {e["path"]: why for e, why in zip(entries, found) if why is not None}
+
+    def drop(self, paths: list[str]) -> int:
+        """Remove these blocks from the manifest (their files become orphans, deleted when extraction resumes):
+        counts shrink, the manifest is marked incomplete so that ``extract`` extracts their samples again and
+        recomputes the token frequencies. Saves; returns the samples dropped."""
+        gone = set(paths)
+        keep, dropped = [], 0
+        c = self.data["counts"]
+        for b in self.data["blocks"]:
+            if b["path"] in gone:
+                dropped += b["rows"]
+                c["samples"] -= b["rows"]
+                c["tokens"] -= b["tokens"]
+                c["bytes"] -= b["bytes"]
+            else:
+                keep.append(b)
+        self.data["blocks"] = keep
+        self.data["complete"] = False
+        self.data.pop("completed_at", None)
+        self.data["dropped_blocks"] = self.data.get("dropped_blocks", 0) + len(gone)
+        self._ids = None
+        self.save()
+        return dropped
 
     def set_rejected(self, prepare: dict, extract: dict) -> None:
         """Record the rejected samples (``RejectCounter.to_json()`` of prepare and of extract) and save."""

@@ -232,6 +232,29 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
     console.print(result.summaries["validate"].headline())
 
 
+@app.command()
+def verify(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+           repair: bool = typer.Option(False, "--repair", help="Drop missing or corrupt blocks from the manifest so "
+                                       "that `eagle3ray extract` extracts their samples again."),
+           size_only: bool = typer.Option(False, "--size-only", help="Check existence and size only (no sha256).")):
+    """Check every committed hidden-state block against its manifest entry (exists, size, sha256).
+
+    Exit 1 when a block is missing or corrupt (each is named); with --repair they are dropped from the manifest
+    instead (exit 0) and the next extract redoes exactly their samples.
+    """
+    from .verify import verify as run_verify
+
+    cfg = _load(config, overrides)
+    try:
+        s = run_verify(cfg, repair=repair, sha256=not size_only)
+    except FileNotFoundError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    print(s.render())
+    if not s.ok:
+        raise typer.Exit(1)
+
+
 config_app = typer.Typer(no_args_is_help=True, help="Inspect run configs: the resolved values and every key.")
 app.add_typer(config_app, name="config")
 

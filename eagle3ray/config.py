@@ -283,6 +283,10 @@ class TrainSection(_Strict):
     val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of committed blocks held out (>= 1 block).")
     shuffle_buffer_rows: int = Field(64, ge=0, description="Ray Data local shuffle buffer, in samples.")
     max_failures: int = Field(1, ge=0, description="Worker-group restarts from the last checkpoint (FailureConfig).")
+    verify_blocks: Literal["sha256", "size"] = Field(
+        "sha256", description="Before training, check every committed block against its manifest entry: 'sha256' "
+        "reads each block once more (streamed) and catches any corrupt byte; 'size' only checks existence and size. "
+        "A bad block stops the stage naming it (`eagle3ray verify --repair` turns it back into work to redo).")
     seed: int = Field(0, description="Draft initialisation and data shuffling seed.")
 
     @field_validator("autocast", mode="before")

@@ -78,7 +78,7 @@ def _check_manifest(man: dict, spec, where: str) -> None:
 
 
 # Train fields that do not change what a step computes: extending max_steps continues a finished run.
-_RESUMABLE_FIELDS = ("max_steps", "checkpoint_every", "max_failures")
+_RESUMABLE_FIELDS = ("max_steps", "checkpoint_every", "max_failures", "verify_blocks")
 
 
 def train_settings(cfg, paths: storage.RunPaths) -> dict:
@@ -131,6 +131,7 @@ def train(cfg, hooks: WorkerHooks | None = None) -> TrainSummary:
     Raises:
         FileNotFoundError: extract or vocab has not completed.
         blocks.ManifestMismatch: the blocks were made for another verifier/layers/tokenizer.
+        blocks.CorruptBlocks: a committed block is missing or differs from its manifest entry.
         ValueError: too few committed blocks to hold out a validation slice.
     """
     import ray
@@ -147,6 +148,9 @@ def train(cfg, hooks: WorkerHooks | None = None) -> TrainSummary:
     man, files = blocks.read_committed(paths.fs, paths.hidden_states)
     if not man.get("complete"):
         raise FileNotFoundError(f"{paths.uri}/hidden_states: extraction is not complete; run `eagle3ray extract`")
+    problems = blocks.Manifest(paths.fs, paths.hidden_states, man).verify(sha256=cfg.train.verify_blocks == "sha256")
+    if problems:  # before Ray Train starts: a bad block would otherwise fail (or train) only after its retries
+        raise blocks.CorruptBlocks(f"{paths.uri}/hidden_states", problems)
     spec = VerifierSpec.from_config(cfg)
     _check_manifest(man, spec, f"{paths.uri}/hidden_states/manifest.json")
     ck = paths.sub("checkpoints")
