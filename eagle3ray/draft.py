@@ -32,11 +32,12 @@ TRAINABLE_FILE = "draft_trainable.safetensors"
 
 
 # ------------------------------------------------------------------------------------- the verifier's config
-def read_config_json(path: str) -> dict:
+def read_config_json(path: str, storage_options: dict | None = None) -> dict:
     """A verifier's (or draft's) ``config.json`` as a dict, through fsspec (local paths and object storage).
 
     Args:
         path: the ``config.json`` file itself, or a folder/URI holding it.
+        storage_options: fsspec options for ``path`` (e.g. ``{"endpoint_url": ...}`` for an S3-compatible store).
 
     Raises:
         FileNotFoundError: no such file.
@@ -46,7 +47,7 @@ def read_config_json(path: str) -> dict:
 
     if not path.endswith(".json"):
         path = f"{path.rstrip('/')}/config.json"
-    with fsspec.open(path, "rb") as f:
+    with fsspec.open(path, "rb", **(storage_options or {})) as f:
         return json.loads(f.read())
 
 

@@ -64,21 +64,23 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def safetensors_header(path: str) -> dict[str, dict]:
+def safetensors_header(path: str, storage_options: dict | None = None) -> dict[str, dict]:
     """{name: {"dtype", "shape"}} from a safetensors file's JSON header (reads only the header)."""
-    with fsspec.open(path, "rb") as f:
+    with fsspec.open(path, "rb", **(storage_options or {})) as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     return {k: {"dtype": _DTYPES.get(v["dtype"], v["dtype"]), "shape": list(v["shape"])} for k, v in header.items()}
 
 
-def check_draft(draft_dir: str, verifier: str) -> CheckReport:
+def check_draft(draft_dir: str, verifier: str, storage_options: dict | None = None) -> CheckReport:
     """Compare an exported draft directory with what vLLM expects for ``verifier``.
 
     Args:
         draft_dir: folder (or URI) with ``config.json`` and ``*.safetensors`` in speculators format.
         verifier: the verifier's folder or its ``config.json`` path (no weights are read).
+        storage_options: fsspec options for ``draft_dir`` (``{"endpoint_url": run.endpoint_url}`` on an
+            S3-compatible store; credentials come from the environment).
 
     Returns:
         A :class:`CheckReport`; each problem names the tensor key or config field.
@@ -91,7 +93,7 @@ def check_draft(draft_dir: str, verifier: str) -> CheckReport:
         rep.problems.append(f"verifier config {vpath}: not found")
         return rep
     try:
-        dcfg = read_config_json(f"{draft_dir.rstrip('/')}/config.json")
+        dcfg = read_config_json(f"{draft_dir.rstrip('/')}/config.json", storage_options)
     except FileNotFoundError:
         rep.problems.append(f"{draft_dir}/config.json: not found")
         return rep
@@ -120,13 +122,14 @@ def check_draft(draft_dir: str, verifier: str) -> CheckReport:
                          "shapes use the explicit value, as vLLM does")
     target_hidden = t.get("target_hidden_size") or dcfg.get("target_hidden_size") or VH
     rep.shapes = expected_shapes(dcfg, len(aux), target_hidden)
-    files = sorted(p for p in fsspec.open_files(f"{draft_dir.rstrip('/')}/*.safetensors"))
+    files = sorted(fsspec.open_files(f"{draft_dir.rstrip('/')}/*.safetensors", **(storage_options or {})),
+                   key=lambda of: of.path)
     if not files:
         rep.problems.append(f"{draft_dir}: no *.safetensors weights")
         return rep
     tensors: dict[str, dict] = {}
     for of in files:
-        tensors.update(safetensors_header(of.full_name if hasattr(of, "full_name") else of.path))
+        tensors.update(safetensors_header(of.full_name if hasattr(of, "full_name") else of.path, storage_options))
     loaded = {}
     for name, info in tensors.items():
         k = vllm_key(name)

@@ -70,7 +70,7 @@ def _check(cfg, progress: bool):
 
     paths = storage.run_paths(cfg)
     export_dir = paths.sub("export") if storage.is_local(paths.fs) else paths.uri + "/export"
-    return check_draft(export_dir, VerifierSpec.from_config(cfg).model_path)
+    return check_draft(export_dir, VerifierSpec.from_config(cfg).model_path, storage.storage_options(cfg))
 
 
 def _validate(cfg, progress: bool):

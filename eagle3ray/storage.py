@@ -39,6 +39,14 @@ def normalize_root(uri: str) -> str:
     return uri.rstrip("/")
 
 
+def storage_options(cfg) -> dict:
+    """fsspec options for URIs under ``cfg.run.storage`` (the S3-compatible ``run.endpoint_url``; no credentials:
+    s3fs reads them from the environment)."""
+    if cfg.run.endpoint_url and normalize_root(cfg.run.storage).startswith("s3://"):
+        return {"endpoint_url": cfg.run.endpoint_url}
+    return {}
+
+
 def filesystem(uri: str, endpoint_url: str | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Return ``(fs, path)`` for a URI; ``endpoint_url`` selects an S3-compatible endpoint."""
     uri = normalize_root(uri)
