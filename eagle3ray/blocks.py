@@ -19,9 +19,17 @@ The ``hidden_states`` bytes are written by :func:`to_storage_bytes` and read by 
 (:func:`decode_states` for a row): raw little-endian values, bfloat16 as its upper 16 bits of float32.
 
 ``hidden_states/manifest.json`` lists the committed blocks (path relative to ``hidden_states/``,
-rows, tokens, bytes, sha256). A file under ``blocks/`` that the manifest does not list does not
-exist for readers (it is an interrupted write) and is deleted when extraction resumes. The rules of a
-commit (exactly once per sample, orphans, counts, the final token frequencies) are :class:`Manifest`'s.
+rows, tokens, bytes, sha256, and the block's sample ids). A file under ``blocks/`` that the manifest does not
+list does not exist for readers (it is an interrupted write) and is deleted when extraction resumes. The rules of
+a commit (exactly once per sample, orphans, counts, the final token frequencies) are :class:`Manifest`'s.
+
+Commits cost O(1): each commit writes one small file ``commits/<seq>.json`` (atomically: rename locally, one
+PUT on object stores) instead of rewriting the manifest, and the manifest (a snapshot) is rewritten only when
+the commit log has grown as long as the snapshot itself (and at least :data:`COMPACT_MIN` entries), so the
+rewrites cost O(1) per commit amortized. The snapshot records the last commit it holds
+(``commit_log.folded_through``); readers (:func:`read_committed`) fold the newer commit files in. A complete
+manifest has an empty log, so a finished run's ``manifest.json`` alone is the whole truth, as in earlier
+versions. ``benchmarks/manifest_commit.py`` measures the per-commit cost from 100 to 100,000 blocks.
 
 This module is the whole contract: it imports no engine and no stage.
 """
@@ -29,6 +37,7 @@ This module is the whole contract: it imports no engine and no stage.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 import numpy as np
@@ -40,8 +49,12 @@ from . import storage
 SCHEMA_VERSION = 1
 #: dtypes a block's ``hidden_states`` may be stored in (``extract.storage_dtype``).
 STORAGE_DTYPES = ("bfloat16", "float16", "float32")
-#: The fields of one committed block in ``manifest["blocks"]``.
+#: The fields of one committed block in ``manifest["blocks"]`` (and ``sample_ids``, the ids in block order).
 ENTRY_FIELDS = ("path", "rows", "tokens", "bytes", "sha256")
+#: The commit log's folder under ``hidden_states/``: one ``<seq>.json`` file per commit since the snapshot.
+COMMITS_DIR = "commits"
+#: The snapshot is rewritten when the commit log holds max(COMPACT_MIN, blocks in the snapshot) commits.
+COMPACT_MIN = 256
 LAYER_ID_CONVENTION = (
     "vLLM/speculators eagle_aux_hidden_state_layer_ids: id i < L is the input of decoder layer i "
     "(= transformers hidden_states[i]); id L is the last layer's output before the final norm"
@@ -200,9 +213,13 @@ def check_compatible(existing: dict, fresh: dict, where: str) -> None:
 
 
 def committed_sample_ids(fs, hs_root: str, manifest: dict) -> list[str]:
-    """Sample ids of every committed block (reads only the ``sample_id`` column)."""
+    """Sample ids of every committed block: from the entries' ``sample_ids``, or for entries written before they
+    were recorded, from the block itself (only its ``sample_id`` column is read)."""
     ids: list[str] = []
     for b in manifest["blocks"]:
+        if "sample_ids" in b:
+            ids.extend(b["sample_ids"])
+            continue
         with fs.open(f"{hs_root}/{b['path']}", "rb") as f:
             ids.extend(pq.read_table(f, columns=["sample_id"])["sample_id"].to_pylist())
     return ids
@@ -220,13 +237,56 @@ def token_frequencies(fs, hs_root: str, manifest: dict, vocab_size: int) -> np.n
     return counts
 
 
+def _apply(data: dict, rec: dict) -> None:
+    """Fold one commit record ({"entry", "rejected_extract"}) into a manifest dict."""
+    e = rec["entry"]
+    data["blocks"].append(e)
+    c = data["counts"]
+    c["samples"] += e["rows"]
+    c["tokens"] += e["tokens"]
+    c["bytes"] += e["bytes"]
+    data.setdefault("rejected", {})["extract"] = rec["rejected_extract"]
+
+
+def _seq(name: str) -> int:
+    return int(name.rsplit("/", 1)[-1].split(".", 1)[0])
+
+
+def _load(fs, hs_root: str) -> tuple[dict | None, list[str], int]:
+    """(the snapshot with the newer commit files folded in, those files' paths, the last commit's seq).
+
+    A commit file at or below the snapshot's ``commit_log.folded_through`` is already in the snapshot (its
+    deletion after a rewrite was interrupted) and is skipped."""
+    data = storage.read_json(fs, f"{hs_root}/manifest.json")
+    if data is None:
+        return None, [], 0
+    seen = int(data.get("commit_log", {}).get("folded_through", 0))
+    last = seen
+    try:
+        files = sorted(f for f in fs.ls(f"{hs_root}/{COMMITS_DIR}", detail=False) if f.endswith(".json"))
+    except FileNotFoundError:
+        files = []
+    pending = []
+    for f in files:
+        seq = _seq(f)
+        if seq <= seen:
+            continue
+        rec = storage.read_json(fs, f)
+        if rec is None:
+            continue
+        _apply(data, rec)
+        pending.append(f)
+        last = max(last, seq)
+    return data, pending, last
+
+
 def read_committed(fs, hs_root: str) -> tuple[dict, list[str]]:
-    """The manifest and the storage paths of its committed blocks (what readers may use).
+    """The manifest (commit log folded in) and the storage paths of its committed blocks (what readers may use).
 
     Raises:
         FileNotFoundError: no manifest (extraction never committed anything).
     """
-    man = storage.read_json(fs, f"{hs_root}/manifest.json")
+    man, _, _ = _load(fs, hs_root)
     if man is None:
         raise FileNotFoundError(f"{hs_root}/manifest.json not found: run `eagle3ray extract` first")
     return man, [f"{hs_root}/{b['path']}" for b in man["blocks"]]
@@ -237,34 +297,41 @@ class Manifest:
 
     - :meth:`commit` adds one written block: exactly once per sample (a block that repeats a committed
       sample, e.g. from a retried unit whose first attempt was committed, is deleted and its repeated ids
-      returned), counts updated, the manifest rewritten atomically;
+      returned), counts updated, one commit file written (O(1); the snapshot is rewritten when the log is as
+      long as it);
     - :meth:`remove_orphans` deletes block files the manifest does not list (interrupted writes);
     - :meth:`finish` writes the loss-masked token frequencies and marks the manifest complete.
 
     Readers trust only what the manifest lists (:func:`read_committed`).
     """
 
-    def __init__(self, fs, hs_root: str, data: dict):
+    def __init__(self, fs, hs_root: str, data: dict, pending: list[str] | None = None, seq: int = 0):
         self.fs, self.root, self.data = fs, hs_root, data
         self._ids: set[str] | None = None
+        self._pending = list(pending or [])  # commit files newer than the snapshot on storage
+        self._seq = max(seq, int(data.get("commit_log", {}).get("folded_through", 0)))
+        self._snapshot_blocks = len(data["blocks"]) - len(self._pending)
 
     @classmethod
     def open(cls, fs, hs_root: str, fresh: dict, where: str) -> "Manifest":
-        """The stored manifest when there is one (checked against ``fresh`` with :func:`check_compatible`), else
-        ``fresh`` (not yet written). An unfinished one, about to be resumed, has its blocks checked by size
-        (every one is read for its sample ids next).
+        """The stored manifest when there is one (commit log folded in; checked against ``fresh`` with
+        :func:`check_compatible`), else ``fresh`` (not yet written). An unfinished one, about to be resumed, has
+        the blocks committed since its last snapshot (the ones an interrupted run wrote last) and any entry without
+        recorded sample ids (read next) checked by size; :meth:`finish` checks every block before reading them.
 
         Raises:
             ManifestMismatch: the stored blocks were made with other settings.
             CorruptBlocks: a committed block of an unfinished manifest is missing or has another size.
         """
-        existing = storage.read_json(fs, f"{hs_root}/manifest.json")
+        existing, pending, seq = _load(fs, hs_root)
         if existing is None:
             return cls(fs, hs_root, fresh)
         check_compatible(existing, fresh, where)
-        man = cls(fs, hs_root, existing)
+        man = cls(fs, hs_root, existing, pending, seq)
         if not man.complete:
-            problems = man.verify(sha256=False)
+            entries, n = man.data["blocks"], man._snapshot_blocks
+            recent = entries[n:] + [b for b in entries[:n] if "sample_ids" not in b]
+            problems = man.verify(sha256=False, entries=recent)
             if problems:
                 raise CorruptBlocks(where, problems)
         return man
@@ -282,10 +349,25 @@ class Manifest:
         return self.data["counts"]
 
     def save(self) -> None:
+        """Rewrite the snapshot (every commit so far folded in), then delete the commit files it now holds."""
+        self.data["commit_log"] = {"dir": COMMITS_DIR, "folded_through": self._seq}
         storage.write_json_atomic(self.fs, self.path, self.data)
+        try:  # every commit file up to the watermark, including any an interrupted rewrite left behind
+            old = [f for f in self.fs.ls(f"{self.root}/{COMMITS_DIR}", detail=False)
+                   if f.endswith(".json") and _seq(f) <= self._seq]
+        except FileNotFoundError:
+            old = []
+        for f in old:
+            try:
+                self.fs.rm(f)
+            except FileNotFoundError:
+                pass
+        self._pending = []
+        self._snapshot_blocks = len(self.data["blocks"])
 
     def committed_ids(self) -> set[str]:
-        """Sample ids of the committed blocks (read once from the blocks, then kept up to date by commits)."""
+        """Sample ids of the committed blocks (from the entries' ``sample_ids``; blocks are read only for entries
+        written before those were recorded), then kept up to date by commits."""
         if self._ids is None:
             self._ids = set(committed_sample_ids(self.fs, self.root, self.data))
         return self._ids
@@ -305,12 +387,12 @@ class Manifest:
                 removed += 1
         return removed
 
-    def verify(self, sha256: bool = True, threads: int = 8) -> dict[str, str]:
-        """``{path: problem}`` for every committed block that :func:`verify_block` finds wrong (``threads`` blocks
-        are checked at once; object stores serve them in parallel)."""
+    def verify(self, sha256: bool = True, threads: int = 8, entries: list[dict] | None = None) -> dict[str, str]:
+        """``{path: problem}`` for every committed block (or only ``entries``) that :func:`verify_block` finds wrong
+        (``threads`` blocks are checked at once; object stores serve them in parallel)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        entries = list(self.data["blocks"])
+        entries = list(self.data["blocks"] if entries is None else entries)
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             found = pool.map(lambda e: verify_block(self.fs, self.root, e, sha256), entries)
             return {e["path"]: why for e, why in zip(entries, found) if why is not None}
@@ -356,20 +438,30 @@ class Manifest:
             self.fs.rm(f"{self.root}/{entry['path']}")
             return dup
         ids.update(sample_ids)
-        self.data["blocks"].append({k: entry[k] for k in ENTRY_FIELDS})
-        c = self.data["counts"]
-        c["samples"] += entry["rows"]
-        c["tokens"] += entry["tokens"]
-        c["bytes"] += entry["bytes"]
-        self.data["rejected"]["extract"] = rejected_extract
-        self.save()
+        rec = {"entry": {**{k: entry[k] for k in ENTRY_FIELDS}, "sample_ids": list(sample_ids)},
+               "rejected_extract": rejected_extract}
+        self._seq += 1
+        path = f"{self.root}/{COMMITS_DIR}/{self._seq:012d}.json"
+        storage.write_bytes_atomic(self.fs, path, json.dumps(rec).encode())  # the commit point
+        _apply(self.data, rec)
+        self._pending.append(path)
+        if len(self._pending) >= max(COMPACT_MIN, self._snapshot_blocks):
+            self.save()
         return []
 
     def finish(self, vocab_size: int, rejected_extract: dict, retries: int) -> np.ndarray:
         """Write ``token_freq.safetensors`` (loss-masked counts [vocab_size] int64 over the committed blocks), add
-        ``retries`` unit retries, mark the manifest complete and save. Returns the counts."""
+        ``retries`` unit retries, mark the manifest complete and save (the commit log folded into the snapshot).
+        Returns the counts.
+
+        Raises:
+            CorruptBlocks: a committed block is missing or has another size than its entry.
+        """
         from safetensors.numpy import save as st_save
 
+        problems = self.verify(sha256=False)  # every block is read next: name a missing one instead of failing on it
+        if problems:
+            raise CorruptBlocks(self.path, problems)
         freq = token_frequencies(self.fs, self.root, self.data, vocab_size)
         storage.write_bytes_atomic(self.fs, f"{self.root}/token_freq.safetensors", st_save({"counts": freq}))
         self.data["counts"]["loss_tokens"] = int(freq.sum())

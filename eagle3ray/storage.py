@@ -4,7 +4,7 @@ Layout under one root URI (DESIGN.md, a versioned contract)::
 
     <root>/<run>/config.resolved.yaml
     <root>/<run>/conversations/{conversations.parquet, manifest.json}
-    <root>/<run>/hidden_states/{blocks/part-*.parquet, manifest.json, token_freq.safetensors}
+    <root>/<run>/hidden_states/{blocks/part-*.parquet, manifest.json, commits/*.json, token_freq.safetensors}
     <root>/<run>/{vocab,checkpoints,export,reports}/
 
 Commit rule: a file is written completely under its final name only after its content exists

@@ -6,8 +6,9 @@ manifest (:meth:`eagle3ray.blocks.Manifest.drop`): the manifest becomes incomple
 extract`` (or ``run``) extracts exactly their samples again and recomputes the token frequencies. Nothing that
 checks out is touched.
 
-The same checks guard the readers: a resumed extraction checks every block's size, training checks sizes and
-(``train.verify_blocks: sha256``, the default) checksums before Ray Train starts.
+The same checks guard the readers: a resumed extraction checks the sizes of the blocks committed since the last
+snapshot, finishing one checks every block's size, and training checks sizes and (``train.verify_blocks:
+sha256``, the default) checksums before Ray Train starts.
 """
 
 from __future__ import annotations

@@ -171,7 +171,8 @@ def test_interrupted_extraction_resumes_exactly_once(ray_session, tmp_path, make
 
     with pytest.raises(_Stop):
         extract(cfg, on_commit=stop_after_two, progress=False)
-    man = storage.read_json(*_man(cfg))
+    paths = storage.run_paths(cfg)
+    man, _ = blocks.read_committed(paths.fs, paths.hidden_states)  # the snapshot with the commit log folded in
     assert not man["complete"] and len(man["blocks"]) == 2
     first = {b["path"] for b in man["blocks"]}
     # An interrupted write: a block file that was never committed must not count, and is cleaned up.

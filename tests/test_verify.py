@@ -70,9 +70,21 @@ def test_a_resumed_extraction_refuses_a_missing_block_naming_it_and_the_repair(t
     cfg, paths, man = _run_with_blocks(tmp_path)
     man.data["complete"] = False
     man.save()
+    fresh = dict(man.data)
+    # the blocks an interrupted run committed last (in the commit log) are checked when it resumes
+    reopened = blocks.Manifest.open(paths.fs, paths.hidden_states, fresh, "m")
+    rel = "blocks/part-late.parquet"
+    with paths.fs.open(f"{paths.hidden_states}/blocks/part-3.parquet", "rb") as f:
+        paths.fs.pipe_file(f"{paths.hidden_states}/{rel}", f.read())
+    assert reopened.commit({**man.data["blocks"][3], "path": rel}, ["late0", "late1", "late2"], {}) == []
+    paths.fs.rm(f"{paths.hidden_states}/{rel}")
+    with pytest.raises(blocks.CorruptBlocks, match=r"blocks/part-late.parquet: missing.*verify -c CONFIG --repair"):
+        blocks.Manifest.open(paths.fs, paths.hidden_states, fresh, "hidden_states/manifest.json")
+    # any other missing block is named when the extraction finishes (it reads every block then), not found later
     paths.fs.rm(f"{paths.hidden_states}/blocks/part-2.parquet")
-    with pytest.raises(blocks.CorruptBlocks, match=r"blocks/part-2.parquet: missing.*verify -c CONFIG --repair"):
-        blocks.Manifest.open(paths.fs, paths.hidden_states, man.data, "hidden_states/manifest.json")
+    folded = blocks.Manifest(paths.fs, paths.hidden_states, blocks.read_committed(paths.fs, paths.hidden_states)[0])
+    with pytest.raises(blocks.CorruptBlocks, match=r"part-2.parquet: missing"):
+        folded.finish(16, {}, 0)
 
 
 def test_training_refuses_a_corrupt_block_before_ray_train_starts(tmp_path):
