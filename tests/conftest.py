@@ -86,6 +86,23 @@ def make_cfg(tmp_path, tiny_verifier):
     return _make
 
 
+@pytest.fixture
+def s3_endpoint():
+    """A local S3 endpoint (moto) on 127.0.0.1 with an empty bucket ``eagle3ray``; yields its URL."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="eagle3ray")
+        yield endpoint
+    finally:
+        server.stop()
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (test servers bind to loopback only)."""
     import socket

@@ -17,7 +17,7 @@ from eagle3ray.extract import extract, plan_units
 from eagle3ray.prepare import prepare
 from eagle3ray.sources import read_mtbench
 
-from conftest import TINY_AUX, free_port, write_chat_jsonl
+from conftest import TINY_AUX, write_chat_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -192,29 +192,20 @@ def test_interrupted_extraction_resumes_exactly_once(ray_session, tmp_path, make
 
 
 
-def test_extract_to_s3_on_local_endpoint(ray_session, tmp_path, make_cfg):
+def test_extract_to_s3_on_local_endpoint(ray_session, tmp_path, make_cfg, s3_endpoint):
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    try:
-        endpoint = f"http://127.0.0.1:{port}"
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="eagle3ray")
-        train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(8, seed=4))
-        cfg = make_cfg([train], f"run.endpoint_url={endpoint}", storage="s3://eagle3ray/runs")
-        prepare(cfg)
-        s = extract(cfg, progress=False)
-        assert s.total_samples == 8
-        keys = [o["Key"] for o in boto3.client("s3", endpoint_url=endpoint)
-                .list_objects_v2(Bucket="eagle3ray", Prefix="runs/t/")["Contents"]]
-        assert "runs/t/hidden_states/manifest.json" in keys and any("/blocks/part-" in k for k in keys)
-        rows = _committed_rows(cfg)
-        assert sorted(r["sample_id"] for r in rows) == sorted(f"chat:c{i}" for i in range(8))
-        assert all(blocks.decode_states(r).shape[1:] == (4, 128) for r in rows)
-    finally:
-        server.stop()
+    train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(8, seed=4))
+    cfg = make_cfg([train], f"run.endpoint_url={s3_endpoint}", storage="s3://eagle3ray/runs")
+    prepare(cfg)
+    s = extract(cfg, progress=False)
+    assert s.total_samples == 8
+    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint)
+            .list_objects_v2(Bucket="eagle3ray", Prefix="runs/t/")["Contents"]]
+    assert "runs/t/hidden_states/manifest.json" in keys and any("/blocks/part-" in k for k in keys)
+    rows = _committed_rows(cfg)
+    assert sorted(r["sample_id"] for r in rows) == sorted(f"chat:c{i}" for i in range(8))
+    assert all(blocks.decode_states(r).shape[1:] == (4, 128) for r in rows)
 
 
 def test_plan_units_packs_by_tokens():

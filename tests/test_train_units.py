@@ -240,14 +240,12 @@ def test_samples_longer_than_the_step_budget_are_counted_not_silently_truncated(
     assert "sample s1 has 199 tokens > train.max_tokens_per_batch 64" in caplog.text
 
 
-def test_the_export_check_reads_a_draft_on_an_s3_compatible_endpoint(tmp_path, make_cfg, tiny_verifier):
+def test_the_export_check_reads_a_draft_on_an_s3_compatible_endpoint(tmp_path, make_cfg, tiny_verifier, s3_endpoint):
     """The pipeline's check stage passes run.endpoint_url to the draft's reads (it used the default AWS endpoint)."""
-    import boto3
     import s3fs
     import torch
-    from moto.server import ThreadedMotoServer
 
-    from conftest import free_port, write_chat_jsonl
+    from conftest import write_chat_jsonl
     from eagle3ray.config import load_config
     from eagle3ray.draft import build_draft
     from eagle3ray.pipeline import run_stage
@@ -256,18 +254,10 @@ def test_the_export_check_reads_a_draft_on_an_s3_compatible_endpoint(tmp_path, m
     t2d[:512] = True
     tc = load_config(None, ["vocab.draft_vocab_size=512"]).train.model_dump()
     build_draft(tiny_verifier, [2, 4, 5], d2t, t2d, tc).save_pretrained(tmp_path / "export")
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    try:
-        endpoint = f"http://127.0.0.1:{port}"
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="eagle3ray")
-        s3fs.S3FileSystem(endpoint_url=endpoint).put(str(tmp_path / "export") + "/", "eagle3ray/runs/t/export/",
-                                                     recursive=True)
-        cfg = make_cfg([write_chat_jsonl(tmp_path / "t.jsonl", [])], f"run.endpoint_url={endpoint}",
-                       "vocab.draft_vocab_size=512", storage="s3://eagle3ray/runs")
-        rep = run_stage(cfg, "check")
-        assert rep.ok, rep.problems
-        assert rep.shapes["lm_head.weight"] == [512, 128]
-    finally:
-        server.stop()
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint).put(str(tmp_path / "export") + "/", "eagle3ray/runs/t/export/",
+                                                    recursive=True)
+    cfg = make_cfg([write_chat_jsonl(tmp_path / "t.jsonl", [])], f"run.endpoint_url={s3_endpoint}",
+                   "vocab.draft_vocab_size=512", storage="s3://eagle3ray/runs")
+    rep = run_stage(cfg, "check")
+    assert rep.ok, rep.problems
+    assert rep.shapes["lm_head.weight"] == [512, 128]
