@@ -333,14 +333,20 @@ def required_resources(cfg) -> dict:
     }
 
 
-def check_cluster(req: dict, nodes: list[dict]) -> list[str]:
+#: CPUs Ray Data's tasks need beside the actors: its read tasks ask for 1 CPU each, and with none left the train
+#: dataset never starts (benchmarks/train.py's 2-worker variant hung so with 2 x 2 CPUs on a 4-CPU local cluster).
+RAY_DATA_CPUS = 1.0
+
+
+def check_cluster(req: dict, nodes: list[dict], more_cpus: str = "ray start --num-cpus={n}") -> list[str]:
     """Problems placing ``req`` on ``nodes`` (``ray.nodes()``-style dicts with ``Resources`` and ``Alive``).
 
     A replica's TP GPUs must sit on one node (STRICT_PACK); ``min_replicas`` of them must fit at once;
     training's GPUs must exist in the cluster. Training starts while the verifier service still holds its
     replicas (it stays up for later jobs), so the train workers' CPUs must fit beside the replicas' CPUs, and
     each worker's bundle on one node; otherwise Ray Train's placement group stays pending and the worker group
-    start times out and retries for ever.
+    start times out and retries for ever; :data:`RAY_DATA_CPUS` more are needed for Ray Data's read tasks.
+    ``more_cpus`` is the advice for more CPUs, with ``{n}`` the total needed.
     """
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
     tp = len(req["replica_bundles"])
@@ -362,11 +368,12 @@ def check_cluster(req: dict, nodes: list[dict]) -> list[str]:
         return out
     w_cpu = req["train_worker"]["CPU"]
     train_cpu = w_cpu * req["train_workers"]
-    if need_cpu + train_cpu > total_cpu:
+    if need_cpu + train_cpu + RAY_DATA_CPUS > total_cpu:
+        n = math.ceil(need_cpu + train_cpu + RAY_DATA_CPUS)
         out.append(f"train.num_workers {req['train_workers']} x train.cpus_per_worker {w_cpu:g} = {train_cpu:g} CPUs "
                    f"beside the verifier service's {need_cpu:g} (verifier.num_cpus x extract.min_replicas, kept up "
-                   f"during training) need {need_cpu + train_cpu:g}; the cluster has {total_cpu:g}: give Ray more "
-                   f"logical CPUs (ray start --num-cpus={math.ceil(need_cpu + train_cpu)}) or lower "
+                   f"during training) and {RAY_DATA_CPUS:g} for Ray Data's reads need {n}; the cluster has "
+                   f"{total_cpu:g}: give Ray more logical CPUs ({more_cpus.format(n=n)}) or lower "
                    "train.cpus_per_worker")
     elif alive and w_cpu > max(r.get("CPU", 0) for r in alive):
         out.append(f"train.cpus_per_worker {w_cpu:g}: no node has that many CPUs (largest: "
@@ -476,6 +483,9 @@ def preflight(cfg, config_name: str = "", nodes: list[dict] | None = None) -> Pr
             "CPU": sum(n.get("Resources", {}).get("CPU", 0) for n in nodes if n.get("Alive", True)),
         }
         rep.problems += check_cluster(req, nodes)
+    elif cfg.ray.address is None and cfg.ray.num_cpus is not None:  # the local cluster a command starts
+        local = [{"Alive": True, "Resources": {"CPU": cfg.ray.num_cpus, "GPU": 0}}]
+        rep.problems += [p for p in check_cluster(req, local, "ray.num_cpus={n}") if "CPU" in p]
     return rep
 
 

@@ -208,7 +208,7 @@ def test_cluster_check_catches_a_train_worker_that_cannot_fit_beside_the_service
     cfg = load_config(None)
     node = {"Alive": True, "Resources": {"CPU": 2.0}}
     probs = check_cluster(required_resources(cfg), [node])
-    assert len(probs) == 1 and "train.cpus_per_worker 2" in probs[0] and "ray start --num-cpus=3" in probs[0], probs
+    assert len(probs) == 1 and "train.cpus_per_worker 2" in probs[0] and "ray start --num-cpus=4" in probs[0], probs
     assert check_cluster(required_resources(cfg), [{"Alive": True, "Resources": {"CPU": 4.0}}]) == []
     probs = check_cluster(required_resources(load_config(None, ["train.cpus_per_worker=3"])),
                           [{"Alive": True, "Resources": {"CPU": 2.0}}] * 3)
@@ -220,3 +220,12 @@ def test_a_step_budget_below_the_sample_length_is_flagged():
     assert len(notes) == 1 and "truncated_samples" in notes[0], notes
     fits = _cfg("qwen3-8b", "train.max_tokens_per_batch=16384")
     assert not [n for n in preflight(fits).notes if n.startswith("train.max_tokens_per_batch")]
+
+
+def test_a_local_cluster_too_small_for_training_and_ray_data_is_a_problem():
+    """The CPU config's local cluster (ray.num_cpus 4) holds the service (1), one 2-CPU worker and Ray Data's reads;
+    a second worker would leave Ray Data no CPU and training would never start."""
+    assert preflight(load_config(None)).ok
+    rep = preflight(load_config(None, ["train.num_workers=2"]))
+    probs = [p for p in rep.problems if "train.num_workers 2" in p]
+    assert len(probs) == 1 and "ray.num_cpus=6" in probs[0], rep.problems
