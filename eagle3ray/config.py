@@ -452,8 +452,8 @@ def explain(path: str | Path | None = None, overrides: list[str] | None = None) 
     path = Path(path) if path is not None else DEFAULT_CONFIG
     file_tree = _read_tree(path)
     given = [k for k, _ in parse_overrides(overrides or [])]
-    raw = load_config(path, overrides, resolved=False).model_dump(mode="json")
-    final = resolve(load_config(path, overrides, resolved=False)).model_dump(mode="json")
+    unresolved = load_config(path, overrides, resolved=False)
+    raw, final = unresolved.model_dump(mode="json"), resolve(unresolved).model_dump(mode="json")
     before = _leaves(raw)
     rows = []
     for key, value in _leaves(final).items():
