@@ -89,6 +89,13 @@ class ServingEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, cpu_kv_cache_gib))))
         from vllm import LLM
 
+        from .vllm_cpu_fixes import apply as apply_cpu_fix
+
+        try:  # before LLM(): the sampler's kernels are registered when its worker starts
+            self.cpu_fix = apply_cpu_fix()
+        except Exception as e:  # noqa: BLE001 - reported; validation refuses T > 0 on it
+            self.cpu_fix = f"failed: {type(e).__name__}: {e}"
+
         kwargs = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
                       max_num_seqs=max_num_seqs, seed=seed, tensor_parallel_size=tensor_parallel_size,
                       disable_log_stats=False)  # get_metrics() needs stat logging
@@ -118,6 +125,11 @@ class ServingEngine:
         ids = [list(o.outputs[0].token_ids) for o in outs]
         return {"outputs": ids, "texts": [o.outputs[0].text for o in outs], "seconds": dt,
                 "output_tokens": sum(len(i) for i in ids)}
+
+    def cpu_fix_status(self) -> str:
+        """What :func:`eagle3ray.vllm_cpu_fixes.apply` did in this engine's process (``applied``,
+        ``not needed: ...`` or ``failed: ...``)."""
+        return self.cpu_fix
 
     def spec_counters(self) -> dict:
         """vLLM's spec-decode counters: drafts, draft_tokens, accepted, accepted_per_pos (list)."""

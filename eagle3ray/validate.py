@@ -161,7 +161,8 @@ def validate(cfg, force: bool = False) -> ValidateReport:
     old = storage.read_json(paths.fs, rep_path)
     if old and not force and old.get("checkpoint", {}).get("path") == prov["checkpoint"] \
             and old.get("settings") == settings and old.get("dtype") == dtype \
-            and old.get("greedy_check_dtype", dtype) == (check_dtype if vc.temperature == 0 else None):
+            and old.get("greedy_check_dtype", dtype) == (check_dtype if vc.temperature == 0 else None) \
+            and (vc.temperature == 0 or "vllm_cpu_expand_fix" in old):  # T > 0 before the fix: wrong figures
         old["skipped"] = True
         return ValidateReport(old)
     spec = VerifierSpec.from_config(cfg)
@@ -181,10 +182,21 @@ def validate(cfg, force: bool = False) -> ValidateReport:
                   gpu_memory_utilization=v.gpu_memory_utilization, tensor_parallel_size=v.tensor_parallel_size,
                   device=v.device, cpu_threads=v.cpu_threads)
 
+    sampler_fix: list[str] = []  # what vllm_cpu_fixes.apply() did in each speculative engine
+
     def serve_pair(dt: str) -> tuple[dict, dict, dict, list[int]]:
         """(with draft, acceptance, without draft, indices of differing greedy outputs) at compute dtype dt."""
         eng = Engine.options(name=None).remote(spec.model_path, draft_dir=draft_dir, dtype=dt,
                                                num_speculative_tokens=vc.num_speculative_tokens, **common)
+        fix = ray.get(eng.cpu_fix_status.remote())
+        if vc.temperature > 0 and fix.startswith("failed"):
+            ray.kill(eng)
+            raise RuntimeError(
+                f"validation.temperature={vc.temperature}: vLLM's CPU rejection sampler expands the per-token "
+                f"temperature into memory it then drops (vLLM #55005), and eagle3ray's fix could not be applied "
+                f"({fix}); the acceptance figures would be wrong. Validate at validation.temperature=0, or "
+                f"with a vLLM that has the fix (PR #55006).")
+        sampler_fix.append(fix)
         with_draft = ray.get(eng.generate.remote(prompts, vc.max_new_tokens, vc.temperature))
         acc = acceptance(ray.get(eng.spec_counters.remote()))
         ray.kill(eng)
@@ -231,6 +243,7 @@ def validate(cfg, force: bool = False) -> ValidateReport:
         "checkpoint": {"path": prov["checkpoint"], "step": prov.get("step"), "metrics": prov.get("metrics", {})},
         "verifier": {**spec.model_identity, "path": spec.model_path, "layer_ids": spec.layer_ids},
         "device": v.device, "dtype": dtype, "verifier_dtype": v.dtype, "temperature": vc.temperature,
+        "vllm_cpu_expand_fix": sampler_fix[0],
         "max_new_tokens": vc.max_new_tokens,
         "max_num_seqs": vc.max_num_seqs, "settings": settings, "wall_seconds": time.time() - t0,
         "created_at": time.time(),
