@@ -76,13 +76,25 @@ def _render(summary) -> None:
         console.print(_rejected_table("rejected records", rejected))
 
 
+def _show_plan(plan: dict, fresh: bool) -> None:
+    from .plan import render
+
+    console.print(render(plan, fresh))
+
+
+def _print_plan(plan: dict, fresh: bool) -> None:
+    from .plan import render
+
+    print(render(plan, fresh))
+
+
 def _stage_command(config, overrides, name: str, progress: bool = True) -> None:
     """Run one stage with the stages it needs first (each skipped when done), printing every summary."""
     from .pipeline import StageFailed, run_stage
 
     cfg = _load(config, overrides)
     try:
-        run_stage(cfg, name, with_needs=True, progress=progress,
+        run_stage(cfg, name, with_needs=True, progress=progress, on_plan=_show_plan,
                   on_stage=lambda ev, _n, summary, _s: _render(summary) if ev == "end" else None)
     except StageFailed:
         raise typer.Exit(1) from None
@@ -171,6 +183,13 @@ def check(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = O
     from .preflight import PreflightError, preflight, render
 
     cfg = _load(config, overrides)
+    from .plan import planned_config
+
+    try:
+        cfg = planned_config(cfg, on_plan=_print_plan)
+    except RuntimeError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
     nodes = None
     if cluster:
         import ray
@@ -187,6 +206,37 @@ def check(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = O
     print(json.dumps(rep.to_json(), indent=1) if as_json else render(rep))
     if not rep.ok:
         raise typer.Exit(1)
+
+
+@app.command()
+def plan(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+         replan: bool = typer.Option(False, "--replan", help="Probe this machine again and replace <run>/plan.json "
+                                     "(before the run's first stage: a finished stage keeps its sizes only if "
+                                     "the new plan gives the same)."),
+         as_json: bool = typer.Option(False, "--json", help="Print plan.json.")):
+    """The run's plan for run.time_budget: sizes set to `plan` (data.max_samples, train.max_steps) chosen for
+    this machine, and the estimated minutes per stage.
+
+    The first command of a run that needs the plan probes this machine (a vLLM engine load, prefill and
+    decode rates, a few draft training steps: about a minute on 2 cores) and writes <run>/plan.json; every
+    later command of the run reads it. Explicit numbers in the config or on the command line are kept.
+    """
+    from .plan import needs_plan, planned_config, read_plan, render
+
+    cfg = _load(config, overrides)
+    if not needs_plan(cfg):
+        console.print("nothing to plan: no size of this config says `plan` (set run.time_budget and "
+                      "data.max_samples=plan and/or train.max_steps=plan)")
+        old = read_plan(cfg)
+        if old:
+            print(json.dumps(old, indent=1) if as_json else render(old, False))
+        return
+    try:
+        planned_config(cfg, replan=replan,
+                       on_plan=lambda p, fresh: print(json.dumps(p, indent=1) if as_json else render(p, fresh)))
+    except RuntimeError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -223,11 +273,16 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
             console.print(summary.headline() if hasattr(summary, "headline") else summary.title)
 
     try:
-        result = run_pipeline(cfg, progress=not no_progress, on_stage=show)
+        result = run_pipeline(cfg, progress=not no_progress, on_stage=show, on_plan=_show_plan)
     except StageFailed:
         raise typer.Exit(1) from None
-    console.print(_kv_table("stage wall times (s)", [(n, f"{d:.1f}") for n, d in result.seconds.items()]
-                            + [("total", f"{result.total_seconds:.1f}")]))
+    est = (result.plan or {}).get("estimates", {})
+    console.print(_kv_table("stage wall times (s)" + (", planned" if est else ""),
+                            [(n, f"{d:.1f}" + (f"  (plan {est[n]:.0f})" if n in est else ""))
+                             for n, d in result.seconds.items()]
+                            + [("total", f"{result.total_seconds:.1f}"
+                                + (f"  (plan {result.plan['total_s']:.0f}, budget {result.plan['budget_s']:.0f})"
+                                   if est else ""))]))
     console.print(f"report: {storage.run_paths(cfg).uri}/reports/validate.json (+ validate.png)")
     console.print(result.summaries["validate"].headline())
 

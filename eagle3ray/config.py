@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -50,6 +50,24 @@ class RunSection(_Strict):
     endpoint_url: str | None = Field(
         None, description="S3-compatible endpoint (e.g. http://127.0.0.1:9000). Credentials come from the environment."
     )
+    time_budget: str | None = Field(
+        None, description="Wall time for the whole run (e.g. 15m, 1h30m): sizes set to `plan` (data.max_samples, "
+        "train.max_steps) are chosen to fit it on this machine after a short probe, written to <run>/plan.json and "
+        "reused by every later command of the run (eagle3ray.plan; docs/plan.md).")
+
+    plan_rates: dict[str, float] | None = Field(
+        None, description="Rates for the plan instead of probing this machine (a GPU cluster's, measured or stated): "
+        "the fields of eagle3ray.plan.Rates, e.g. prefill_tok_s, decode_tok_s, train_step_s (docs/plan.md).")
+
+    @field_validator("time_budget")
+    @classmethod
+    def _duration(cls, v: str | None) -> str | None:
+        if v is not None:
+            from .plan import parse_duration
+
+            if parse_duration(v) <= 0:
+                raise ValueError("run.time_budget must be positive")
+        return v
 
     @field_validator("storage", "endpoint_url")
     @classmethod
@@ -166,7 +184,8 @@ class DataSection(_Strict):
         default_factory=lambda: [SourceSpec(kind="mtbench")],
         description="Held-out sets: never trained on; training prompts that appear here are removed.",
     )
-    max_samples: int | None = Field(None, ge=1, description="Training conversations kept after filtering.")
+    max_samples: Annotated[int, Field(ge=1)] | Literal["plan"] | None = Field(
+        None, description="Training conversations kept after filtering; `plan`: chosen by run.time_budget.")
     max_turns: int | None = Field(None, ge=1, description="Keep at most this many user/assistant exchanges.")
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Reject conversations whose first prompt (chat-templated) is longer: long prompts "
@@ -243,7 +262,12 @@ class TrainSection(_Strict):
     num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel, DDP).")
     cpus_per_worker: float = Field(0.5, gt=0, description="Fractional CPUs avoid Ray Data starving on small nodes.")
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL; CPU workers use gloo.")
-    max_steps: int = Field(300, ge=1, description="Optimizer steps in total (all epochs).")
+    max_steps: Annotated[int, Field(ge=1)] | Literal["plan"] = Field(
+        300, description="Optimizer steps in total (all epochs); `plan`: chosen by run.time_budget as "
+        "train.planned_epochs passes over the planned data.")
+    planned_epochs: float = Field(
+        3.0, gt=0, description="With train.max_steps: plan, the passes over the training tokens the plan gives "
+        "training (the measured split between data and steps: docs/plan.md).")
     max_tokens_per_batch: int = Field(2048, ge=16, description="Packed sequence length of one worker's step.")
     lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate.")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps before the cosine decay.")
@@ -326,6 +350,15 @@ class Config(_Strict):
     vocab: VocabSection = Field(default_factory=VocabSection)
     train: TrainSection = Field(default_factory=TrainSection)
     validation: ValidateSection = Field(default_factory=ValidateSection)
+
+    @model_validator(mode="after")
+    def _plan_needs_budget(self) -> "Config":
+        planned = [k for k, v in (("data.max_samples", self.data.max_samples), ("train.max_steps", self.train.max_steps))
+                   if v == "plan"]
+        if planned and not self.run.time_budget:
+            raise ValueError(f"{', '.join(planned)}: `plan` needs run.time_budget (e.g. run.time_budget=15m), "
+                             "or give a number")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

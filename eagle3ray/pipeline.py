@@ -116,19 +116,25 @@ class RunResult:
     summaries: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     total_seconds: float = 0.0
+    plan: dict | None = None  # the run's plan (run.time_budget), when it has one
 
 
 def run_stage(cfg, name: str, *, with_needs: bool = False, progress: bool = True,
-              on_stage: Callable[[str, str, Any, float], None] | None = None) -> Any:
+              on_stage: Callable[[str, str, Any, float], None] | None = None,
+              on_plan: Callable[[dict, bool], None] | None = None) -> Any:
     """Run one stage (and, with ``with_needs``, the stages it needs first); returns its summary.
 
     ``on_stage(event, stage, summary, seconds)`` is called with ``event`` "start" (summary None) and "end".
+    Sizes set to ``plan`` are replaced first (:func:`eagle3ray.plan.planned_config`; ``on_plan(plan, fresh)``).
 
     Raises:
         KeyError: no such stage.
         StageFailed: the check stage found problems (its report is ``.summary``).
         whatever the stage raises (each documents it: a missing upstream output is ``FileNotFoundError``).
     """
+    from .plan import planned_config
+
+    cfg = planned_config(cfg, on_plan=on_plan)
     stage = STAGES[name]
     if with_needs:
         for need in stage.needs:
@@ -144,15 +150,28 @@ def run_stage(cfg, name: str, *, with_needs: bool = False, progress: bool = True
     return summary
 
 
-def run(cfg, *, progress: bool = True, on_stage: Callable[[str, str, Any, float], None] | None = None) -> RunResult:
+def run(cfg, *, progress: bool = True, on_stage: Callable[[str, str, Any, float], None] | None = None,
+        on_plan: Callable[[dict, bool], None] | None = None) -> RunResult:
     """The whole pipeline in :data:`STAGES` order, each stage skipped when its output already matches ``cfg``.
+
+    Sizes set to ``plan`` are planned once, before the first stage (:func:`eagle3ray.plan.planned_config`;
+    ``on_plan(plan, fresh)`` sees the plan; ``RunResult.plan`` keeps it).
 
     Raises:
         StageFailed: the exported draft failed the vLLM compatibility check (validate does not run).
         whatever a stage raises; everything committed before stays committed.
     """
+    from .plan import planned_config
+
     result = RunResult()
     t0 = time.time()
+
+    def keep(plan: dict, fresh: bool) -> None:
+        result.plan = plan
+        if on_plan is not None:
+            on_plan(plan, fresh)
+
+    cfg = planned_config(cfg, on_plan=keep)
 
     def record(event: str, name: str, summary, seconds: float) -> None:
         if event == "end":

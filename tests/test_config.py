@@ -13,7 +13,9 @@ def test_default_config_loads_and_overrides_apply():
     assert cfg.run.name == "smollm2-135m-cpu"
     assert cfg.data.max_samples == 32 and cfg.extract.max_tokens_per_batch == 2048
     assert cfg.verifier.aux_layer_ids == [1, 2, 3]
-    assert load_config(DEFAULT_CONFIG).data.max_samples == 1600  # the file's own value without overrides
+    default = load_config(DEFAULT_CONFIG)  # the file's own values without overrides: sizes planned for 15 minutes
+    assert default.data.max_samples == "plan" and default.train.max_steps == "plan"
+    assert default.run.time_budget == "15m"
 
 
 @pytest.mark.parametrize("override, field", [

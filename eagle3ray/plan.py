@@ -1,0 +1,417 @@
+"""A time budget instead of fixed sizes: measure this machine, then pick the run's sizes to fit the budget.
+
+``run.time_budget`` (e.g. ``15m``) with ``data.max_samples: plan`` and/or ``train.max_steps: plan`` makes every
+entry point (``eagle3ray run``, each stage command, ``eagle3ray check``, the Ray Jobs) run with planned sizes:
+
+1. **Probe** (:func:`probe`, a subprocess of its own so that nothing it loads stays in the caller; about 30-60 s on
+   a 2-core CPU): the verifier's vLLM engine (:class:`eagle3ray.serving_engine.ServingEngine`, the engine that
+   regeneration and validation use) loaded once and timed, then prefill tokens/s on the run's own first
+   training prompts, decode tokens/s at regeneration's batch (``verifier.max_num_seqs``) and at validation's,
+   then the Ray Train worker's own step (:class:`eagle3ray.train_worker.DraftStep`) on synthetic states of the
+   verifier's shapes, with ``train.cpus_per_worker`` torch threads.
+2. **Model** (:func:`estimate`): per stage, a fixed cost (process and cluster start-up, engine loads) plus
+   samples x seconds per sample; the rates are the probe's, the fixed costs and efficiency factors are
+   :data:`OVERHEADS` (fitted on full runs, ``docs/plan.md``).
+3. **Plan** (:func:`make_plan`): the largest number of training conversations N whose estimated run fits
+   ``PLAN_SAFETY`` x the budget, with ``train.max_steps`` = ``train.planned_epochs`` passes over N samples'
+   tokens (the split between data and steps: ``docs/plan.md``). An explicit size is kept and the other is fitted
+   around it.
+
+The plan is written to ``<run>/plan.json`` once and reused on every later command of the run (so a resumed
+run keeps its sizes, and the stages' config hashes stay the same); ``eagle3ray plan --replan`` probes again.
+GPU clusters: see ``docs/plan.md`` (the same model from stated rates, ``run.plan_rates``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+from . import storage
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "plan.json"
+PLAN_SAFETY = 0.96  # plan for this fraction of the budget: run-to-run spread on one machine (docs/plan.md)
+
+#: Fixed costs (s) and efficiency factors of the stage model. Fitted on one full run of the CPU config (AMD EPYC,
+#: 2 cores, no AMX-BF16, fp32; ``docs/plan.md``, "Fit"): the probe's rates carry the machine's speed, these carry
+#: what the probe does not see (process and cluster start-up, batching tails, Ray's overhead).
+OVERHEADS = {
+    "prepare_fixed_s": 18.0,      # Ray start, sources read and tokenized, regeneration actor start (+ engine load)
+    "regen_efficiency": 0.81,     # regeneration's answer throughput over the probe's (chunks of max_num_seqs wait
+                                  # for their longest answer; longer contexts than the probe's)
+    "answer_fill": 1.0,           # regenerated answer length over data.max_new_tokens (ShareGPT answers fill it)
+    "extract_fixed_s": 12.0,      # Serve application and Ray Data pipeline start (+ engine load)
+    "extract_efficiency": 0.82,   # extraction tokens/s over the probe's plain prefill tokens/s
+    "vocab_s": 3.0,
+    "train_fixed_s": 45.0,        # Ray Train worker group start, block verification, final checkpoint
+    "train_overhead": 1.22,       # a Ray Train step over the probe's plain DraftStep.step
+    "eval_fraction": 0.05,        # held-out evaluations, as a fraction of training time
+    "export_s": 2.0,
+    "validate_fixed_s": 10.0,
+    "engine_actor_s": 6.0,        # per validation engine: actor start, on top of 2 x the probe's in-process load
+    "val_decode_efficiency": 0.46,  # validation's tokens/s over the probe's at its batch (MT-Bench's longer
+                                    # prompts, 128-token answers, the batch's tail)
+    "spec_slowdown": 1.8,         # the engine with the draft over the one without, CPU (validate.json's speedup)
+}
+
+
+def parse_duration(text: str) -> float:
+    """``"15m"``, ``"1h30m"``, ``"90s"``, ``"2h"`` or plain seconds -> seconds.
+
+    Raises:
+        ValueError: anything else (the message shows the accepted forms).
+    """
+    t = str(text).strip().lower().replace(" ", "")
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        return float(t)
+    m = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?:in)?)?(?:(\d+(?:\.\d+)?)s)?", t)
+    if not t or not m or not any(m.groups()):
+        raise ValueError(f"run.time_budget {text!r}: use a duration like 15m, 1h30m, 90s or 2h")
+    h, mi, s = (float(g) if g else 0.0 for g in m.groups())
+    return h * 3600 + mi * 60 + s
+
+
+@dataclass
+class Rates:
+    """What the probe measured on this machine (all per second unless named ``_s``)."""
+
+    engine_load_s: float          # one vLLM engine built (LLM()), s
+    prefill_tok_s: float          # prompt tokens/s, first training prompts, max_tokens=1
+    decode_tok_s: float           # generated tokens/s at regeneration's batch (decode_batch sequences)
+    decode_batch: int
+    val_decode_tok_s: float       # generated tokens/s at validation's batch
+    val_batch: int
+    prompt_tokens_mean: float     # mean first-prompt length of kept training records (chat template applied)
+    kept_fraction: float          # kept / read records of the first ones read (held-out, duplicate, too long)
+    train_step_s: float           # median DraftStep.step at train.max_tokens_per_batch tokens, s
+    probe_s: float = 0.0          # the probe's own wall time, s
+    machine: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Rates":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def tokens_per_sample(cfg, rates: Rates) -> float:
+    """Mean tokens of one extracted training sample: first prompt + regenerated answer (estimated)."""
+    return rates.prompt_tokens_mean + cfg.data.max_new_tokens * OVERHEADS["answer_fill"]
+
+
+def steps_for(cfg, n: int, rates: Rates) -> int:
+    """``train.planned_epochs`` passes over n samples' tokens, in steps of ``train.max_tokens_per_batch`` per worker."""
+    t = cfg.train
+    tokens = n * (1 - t.val_fraction) * tokens_per_sample(cfg, rates)
+    return max(1, math.ceil(t.planned_epochs * tokens / (t.max_tokens_per_batch * t.num_workers)))
+
+
+def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
+    """Estimated wall seconds per stage for n training conversations and ``steps`` optimizer steps.
+
+    The model: fixed cost + work / rate per stage (module docstring); ``validate`` runs one pair of engines, or
+    two when ``validation.greedy_check_dtype`` differs from the compute dtype.
+    """
+    o, d, v, vc = OVERHEADS, cfg.data, cfg.verifier, cfg.validation
+    load = rates.engine_load_s
+    tps = tokens_per_sample(cfg, rates)
+    answers = n * d.max_new_tokens * o["answer_fill"] if d.regenerate else 0.0
+    prepare = o["prepare_fixed_s"] + (load + (n * rates.prompt_tokens_mean / rates.prefill_tok_s
+                                              + answers / rates.decode_tok_s) / o["regen_efficiency"]
+                                      if d.regenerate else 0.0)
+    extract = o["extract_fixed_s"] + load + n * tps / (rates.prefill_tok_s * o["extract_efficiency"])
+    train = o["train_fixed_s"] + steps * rates.train_step_s * o["train_overhead"] * (1 + o["eval_fraction"])
+    export = o["export_s"]
+    from .machine import resolve_dtype
+
+    dtype = resolve_dtype(vc.dtype or v.dtype, v.device)
+    pairs = 2 if vc.temperature == 0 and resolve_dtype(vc.greedy_check_dtype or dtype, v.device) != dtype else 1
+    gen = vc.max_prompts * vc.max_new_tokens / (rates.val_decode_tok_s * o["val_decode_efficiency"])
+    engine = 2 * load + o["engine_actor_s"]
+    validate = o["validate_fixed_s"] + pairs * (2 * engine + gen * (1 + o["spec_slowdown"]))
+    return {"prepare": prepare, "extract": extract, "vocab": o["vocab_s"], "train": train, "export": export,
+            "check": 2.0, "validate": validate}
+
+
+def make_plan(cfg, rates: Rates, budget_s: float) -> dict:
+    """The sizes to run with: ``{"max_samples", "max_steps", "estimates" (s per stage), "total_s", ...}``.
+
+    ``data.max_samples``/``train.max_steps`` given as numbers are kept; ``plan`` ones are chosen (N by bisection
+    on :func:`estimate`, at least 32; steps from :func:`steps_for`). ``fits`` is False when even the smallest
+    plan exceeds the budget (the plan is still returned, and says so).
+    """
+    fixed_n = cfg.data.max_samples if cfg.data.max_samples != "plan" else None
+    fixed_s = cfg.train.max_steps if cfg.train.max_steps != "plan" else None
+    target = budget_s * PLAN_SAFETY
+
+    def sizes(n: int) -> tuple[int, int]:
+        return n, fixed_s if fixed_s is not None else steps_for(cfg, n, rates)
+
+    def total(n: int) -> float:  # the probe has spent part of the budget already
+        return rates.probe_s + sum(estimate(cfg, rates, *sizes(n)).values())
+
+    if fixed_n is not None:
+        n = fixed_n
+        if fixed_s is None:  # fit the steps around the given data
+            base = total(n) - estimate(cfg, rates, n, 1)["train"] + OVERHEADS["train_fixed_s"]
+            per = rates.train_step_s * OVERHEADS["train_overhead"] * (1 + OVERHEADS["eval_fraction"])
+            steps = max(1, int((target - base) / per))
+        else:
+            steps = fixed_s
+    else:
+        lo, hi = 32, 32
+        while total(hi * 2) <= target and hi < 10_000_000:
+            hi *= 2
+        hi *= 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if total(mid) <= target else (lo, mid)
+        n, steps = sizes(lo)
+    est = {"plan": rates.probe_s, **estimate(cfg, rates, n, steps)}
+    return {"max_samples": n, "max_steps": steps, "estimates": est, "total_s": sum(est.values()),
+            "budget_s": budget_s, "target_s": target, "fits": sum(est.values()) <= budget_s,
+            "planned": [k for k, given in (("data.max_samples", fixed_n), ("train.max_steps", fixed_s))
+                        if given is None],
+            "tokens_per_sample": tokens_per_sample(cfg, rates), "rates": asdict(rates),
+            "overheads": dict(OVERHEADS), "safety": PLAN_SAFETY, "created_at": time.time()}
+
+
+def needs_plan(cfg) -> bool:
+    """True when some size says ``plan`` (only allowed with ``run.time_budget``; the schema checks that)."""
+    return cfg.data.max_samples == "plan" or cfg.train.max_steps == "plan"
+
+
+def probe(cfg) -> Rates:
+    """Measure this machine for the stage model (module docstring), in a subprocess; see :class:`Rates`.
+
+    Raises:
+        RuntimeError: the probe process failed (its last output lines are in the message).
+    """
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(cfg.model_dump_json())
+    try:
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        p = subprocess.run([sys.executable, "-m", "eagle3ray.plan", f.name], capture_output=True, text=True,
+                           env=env, timeout=900)
+    finally:
+        os.unlink(f.name)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RATES ")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError("the plan's probe failed (run.time_budget):\n" + "\n".join(
+            (p.stderr or p.stdout).splitlines()[-25:]))
+    return Rates.from_dict(json.loads(lines[-1][6:]))
+
+
+def stated_rates(cfg) -> Rates | None:
+    """``run.plan_rates`` as :class:`Rates` (a cluster's rates, stated or measured elsewhere: no probe), or None.
+
+    Raises:
+        ValueError: a field of :class:`Rates` is missing (the message lists them).
+    """
+    given = cfg.run.plan_rates
+    if not given:
+        return None
+    need = [k for k in Rates.__dataclass_fields__ if k not in ("probe_s", "machine") and k not in given]
+    if need:
+        raise ValueError(f"run.plan_rates lacks {', '.join(need)} (see eagle3ray.plan.Rates; docs/plan.md)")
+    return Rates.from_dict({**given, "probe_s": 0.0, "machine": {"cpu_model": "stated (run.plan_rates)"}})
+
+
+def _probe_here(cfg) -> Rates:
+    """The probe itself (runs in the subprocess :func:`probe` starts)."""
+    t0 = time.time()
+    import gc
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from .machine import cpu_bf16_is_fast, resolve_autocast
+    from .prepare import RejectCounter, _prompt_ids, collect_records
+    from .serving_engine import ServingEngine
+    from .verifier import VerifierSpec
+
+    v = cfg.verifier
+    spec = VerifierSpec.from_config(cfg)
+    tok = AutoTokenizer.from_pretrained(spec.model_path)
+    small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_samples": 64})})
+    rejected = RejectCounter()
+    recs = collect_records(small, rejected, tok)
+    if not recs:
+        raise RuntimeError("no training records to probe with (data.train)")
+    prompts = []
+    for r in recs:
+        first = []
+        for m in r.messages:
+            first.append(m)
+            if m["role"] == "user":
+                break
+        prompts.append(_prompt_ids(tok, first))
+    read = len(recs) + sum(rejected.counts.values())
+    from vllm import SamplingParams
+
+    t = time.time()
+    eng = ServingEngine(spec.model_path, dtype=v.dtype, max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
+                        max_num_seqs=v.max_num_seqs, seed=v.seed, cpu_kv_cache_gib=v.cpu_kv_cache_gib,
+                        gpu_memory_utilization=v.gpu_memory_utilization, tensor_parallel_size=v.tensor_parallel_size,
+                        device=v.device, cpu_threads=v.cpu_threads)
+    load = time.time() - t
+
+    def gen(ps, n_tokens):
+        sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+        t = time.time()
+        eng.llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        return time.time() - t
+
+    gen(prompts[:4], 2)  # warm-up
+    pre = prompts[:48]
+    prefill = sum(map(len, pre)) / gen(pre, 1)
+
+    def decode_rate(batch: int) -> float:
+        short = [prompts[i % len(prompts)][:32] for i in range(batch)]
+        long_t = gen(short, 12)  # first: the shorter call then reuses its prefix cache (conservative)
+        return batch * 10 / max(1e-6, long_t - gen(short, 2))
+
+    batch = max(1, v.max_num_seqs)
+    dec = decode_rate(batch)
+    vbatch = max(1, min(cfg.validation.max_num_seqs, cfg.validation.max_prompts))
+    vdec = decode_rate(vbatch) if vbatch != batch else dec
+    del eng
+    gc.collect()
+    t_engine = time.time() - t
+    step_s = _probe_train_step(cfg, spec, float(sum(map(len, prompts)) / len(prompts)))
+    log.warning("probe: records %.1f s, engine %.1f s (load %.1f), train step %.1f s", t - t0, t_engine, load,
+                time.time() - t - t_engine)
+    return Rates(engine_load_s=load, prefill_tok_s=prefill, decode_tok_s=dec, decode_batch=batch,
+                 val_decode_tok_s=vdec, val_batch=vbatch,
+                 prompt_tokens_mean=float(sum(map(len, prompts)) / len(prompts)),
+                 kept_fraction=len(recs) / max(1, read), train_step_s=step_s, probe_s=time.time() - t0,
+                 machine={"cpu_model": _cpu_model(), "amx_bf16": cpu_bf16_is_fast(), "dtype": v.dtype,
+                          "autocast": resolve_autocast(cfg.train.autocast, v.device), "torch_threads": torch.get_num_threads()})
+
+
+def _probe_train_step(cfg, spec, prompt_mean: float) -> float:
+    """Median seconds of :meth:`DraftStep.step` on synthetic packed batches of the verifier's shapes."""
+    import statistics
+
+    import torch
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    from .machine import resolve_autocast
+    from .train_worker import DraftStep
+
+    t = cfg.train
+    threads = max(1, int(t.cpus_per_worker)) if cfg.verifier.device == "cpu" else torch.get_num_threads()
+    torch.set_num_threads(threads)
+    H = spec.model_identity["hidden_size"]
+    V = spec.model_identity["vocab_size"]
+    A = len(spec.layer_ids) - 1
+    tc = t.model_dump()
+    tc["max_steps"] = 1000
+    d2t, t2d = build_vocab_mappings_from_distribution({i: 1 for i in range(V)}, cfg.vocab.draft_vocab_size, V)
+    torch.manual_seed(0)
+    step = DraftStep.build(tc, spec.model_path, spec.layer_ids[:-1], d2t, t2d, H,
+                           autocast_bf16=resolve_autocast(t.autocast, cfg.verifier.device))
+    step.to_device(torch.device("cuda" if cfg.verifier.device == "cuda" else "cpu"))
+    step.model.train()
+    L = max(8, int(prompt_mean + cfg.data.max_new_tokens * OVERHEADS["answer_fill"]))
+    T = t.max_tokens_per_batch  # packed full, as pack_rows fills a step
+    lengths = [L] * (T // L) + ([T % L] if T % L else [])
+    times = []
+    for i in range(6):
+        samples = []
+        for L in lengths:
+            samples.append({"hidden_states": torch.randn(L, A * H), "input_ids": torch.randint(0, V, (L,)),
+                            "verifier_last_hidden_states": torch.randn(L, H), "loss_mask": torch.ones(L, dtype=torch.long),
+                            "lengths": torch.tensor([L]), "position_ids": torch.arange(L)})
+        t0 = time.perf_counter()
+        step.step(step.collate(samples))
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+# ------------------------------------------------------------------------------------------------ apply
+def plan_path(cfg) -> tuple[object, str]:
+    paths = storage.run_paths(cfg)
+    return paths.fs, f"{paths.uri.rstrip('/')}/{PLAN_FILE}" if not storage.is_local(paths.fs) \
+        else os.path.join(paths.root, PLAN_FILE)
+
+
+def read_plan(cfg) -> dict | None:
+    """The run's ``plan.json``, or None."""
+    fs, p = plan_path(cfg)
+    return storage.read_json(fs, p)
+
+
+def planned_config(cfg, *, replan: bool = False, on_plan=None):
+    """``cfg`` with its ``plan`` sizes replaced by the run's plan (read from ``<run>/plan.json``, or made now by
+    :func:`probe` + :func:`make_plan` and written there). ``cfg`` itself when nothing says ``plan``.
+
+    ``on_plan(plan, fresh)`` is called with the plan used (``fresh``: made now). Raises what :func:`probe` raises.
+    """
+    if not needs_plan(cfg):
+        return cfg
+    plan = None if replan else read_plan(cfg)
+    fresh = plan is None
+    if fresh:
+        rates = stated_rates(cfg) or probe(cfg)
+        plan = make_plan(cfg, rates, parse_duration(cfg.run.time_budget))
+        fs, p = plan_path(cfg)
+        storage.write_json_atomic(fs, p, plan)
+    if on_plan is not None:
+        on_plan(plan, fresh)
+    data = cfg.data.model_copy(update={"max_samples": plan["max_samples"]}) \
+        if cfg.data.max_samples == "plan" else cfg.data
+    train = cfg.train.model_copy(update={"max_steps": plan["max_steps"]}) \
+        if cfg.train.max_steps == "plan" else cfg.train
+    return cfg.model_copy(update={"data": data, "train": train})
+
+
+def render(plan: dict, fresh: bool = True) -> str:
+    """The plan as printed before a run: one line per stage (what, how much, estimated minutes)."""
+    r, e = plan["rates"], plan["estimates"]
+    m = r.get("machine", {})
+    n, s = plan["max_samples"], plan["max_steps"]
+    what = {
+        "plan": "probe: engine load, prefill, decode, draft steps",
+        "prepare": f"regenerate {n} answers ({r['decode_tok_s']:.0f} tok/s at batch {r['decode_batch']})",
+        "extract": f"{n} samples x ~{plan['tokens_per_sample']:.0f} tokens of states "
+                   f"(prefill {r['prefill_tok_s']:.0f} tok/s)",
+        "vocab": "draft vocabulary",
+        "train": f"{s} steps ({r['train_step_s']:.2f} s/step probed)",
+        "export": "speculators-format folder",
+        "check": "vLLM's eagle3 config hook",
+        "validate": "with and without the draft",
+    }
+    head = (f"plan for run.time_budget {plan['budget_s'] / 60:.0f} min ({'probed now' if fresh else 'from plan.json'}, "
+            f"probe {r.get('probe_s', 0):.0f} s; {m.get('cpu_model', '?')}, amx_bf16={m.get('amx_bf16')}, "
+            f"dtype {m.get('dtype')}; planned: {', '.join(plan['planned']) or 'nothing'})")
+    lines = [head] + [f"  {k:<9} {e[k] / 60:5.1f} min  {what.get(k, '')}" for k in e]
+    lines.append(f"  {'total':<9} {plan['total_s'] / 60:5.1f} min" + ("" if plan["fits"] else
+                 "  (over the budget even at the smallest size: raise run.time_budget)"))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the probe subprocess: python -m eagle3ray.plan CONFIG_JSON
+    logging.basicConfig(level=logging.WARNING)
+    from .config import Config
+
+    c = Config.model_validate_json(open(sys.argv[1]).read())
+    print("RATES " + json.dumps(asdict(_probe_here(c))), flush=True)

@@ -1,0 +1,102 @@
+"""The time-budget plan: the stage model, the choice of sizes, and plan.json reuse (no probe here: fixed rates)."""
+import json
+
+import pytest
+
+from eagle3ray import plan as P
+from eagle3ray.config import ConfigError, load_config
+
+RATES = P.Rates(engine_load_s=8.0, prefill_tok_s=800.0, decode_tok_s=550.0, decode_batch=256,
+                val_decode_tok_s=300.0, val_batch=40, prompt_tokens_mean=60.0, kept_fraction=0.5,
+                train_step_s=0.45, probe_s=50.0, machine={"cpu_model": "test", "amx_bf16": False, "dtype": "float32"})
+
+
+def cfg_for(tmp_path, *overrides):
+    return load_config(None, [f"run.storage=file://{tmp_path}", *overrides])
+
+
+@pytest.mark.parametrize("text,seconds", [("15m", 900), ("1h30m", 5400), ("90s", 90), ("2h", 7200), ("600", 600),
+                                          ("1.5h", 5400), ("15min", 900)])
+def test_durations(text, seconds):
+    assert P.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "15x", "m", "1d"])
+def test_bad_durations_say_what_is_accepted(text):
+    with pytest.raises(ValueError, match="15m, 1h30m"):
+        P.parse_duration(text)
+
+
+def test_plan_needs_a_budget_and_names_the_field():
+    with pytest.raises(ConfigError, match="data.max_samples, train.max_steps: `plan` needs run.time_budget"):
+        load_config(None, ["run.time_budget=null"])
+
+
+@pytest.mark.parametrize("budget", ["10m", "15m", "1h"])
+def test_the_plan_is_the_largest_that_fits(tmp_path, budget):
+    cfg = cfg_for(tmp_path, f"run.time_budget={budget}")
+    seconds = P.parse_duration(budget)
+    p = P.make_plan(cfg, RATES, seconds)
+    n = p["max_samples"]
+    assert p["total_s"] <= seconds * P.PLAN_SAFETY and p["fits"]
+    assert p["max_steps"] == P.steps_for(cfg, n, RATES)
+    bigger = RATES.probe_s + sum(P.estimate(cfg, RATES, n + 1, P.steps_for(cfg, n + 1, RATES)).values())
+    assert bigger > seconds * P.PLAN_SAFETY  # one more conversation would not fit
+    assert p["planned"] == ["data.max_samples", "train.max_steps"]
+
+
+def test_a_longer_budget_buys_more_data_and_steps(tmp_path):
+    cfg = cfg_for(tmp_path)
+    a, b = P.make_plan(cfg, RATES, 900), P.make_plan(cfg, RATES, 1800)
+    assert b["max_samples"] > 2 * a["max_samples"] and b["max_steps"] > 2 * a["max_steps"]
+
+
+def test_explicit_sizes_are_kept_and_the_other_is_fitted(tmp_path):
+    p = P.make_plan(cfg_for(tmp_path, "data.max_samples=200"), RATES, 900)
+    assert p["max_samples"] == 200 and p["planned"] == ["train.max_steps"]
+    assert p["total_s"] <= 900 * P.PLAN_SAFETY + RATES.train_step_s * 2
+    q = P.make_plan(cfg_for(tmp_path, "train.max_steps=100"), RATES, 900)
+    assert q["max_steps"] == 100 and q["planned"] == ["data.max_samples"]
+    assert q["max_samples"] > P.make_plan(cfg_for(tmp_path), RATES, 900)["max_samples"]  # fewer steps: more data
+
+
+def test_a_budget_too_small_says_so(tmp_path):
+    p = P.make_plan(cfg_for(tmp_path), RATES, 120)
+    assert not p["fits"] and p["max_samples"] == 32
+    assert "raise run.time_budget" in P.render(p)
+
+
+def test_planned_config_probes_once_then_reuses_plan_json(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(P, "probe", lambda cfg: calls.append(1) or RATES)
+    cfg = cfg_for(tmp_path)
+    seen = []
+    a = P.planned_config(cfg, on_plan=lambda plan, fresh: seen.append(fresh))
+    assert isinstance(a.data.max_samples, int) and isinstance(a.train.max_steps, int)
+    written = json.loads((tmp_path / "smollm2-135m-cpu" / P.PLAN_FILE).read_text())
+    assert written["max_samples"] == a.data.max_samples and written["rates"]["train_step_s"] == 0.45
+    monkeypatch.setattr(P, "probe", lambda cfg: pytest.fail("probed again"))
+    b = P.planned_config(cfg, on_plan=lambda plan, fresh: seen.append(fresh))
+    assert (b.data.max_samples, b.train.max_steps) == (a.data.max_samples, a.train.max_steps)
+    assert seen == [True, False] and calls == [1]
+    explicit = cfg_for(tmp_path, "data.max_samples=7", "train.max_steps=9")
+    assert P.planned_config(explicit) is explicit  # nothing says plan: no probe, no plan
+
+
+def test_the_printed_plan_names_every_stage_and_the_machine(tmp_path):
+    text = P.render(P.make_plan(cfg_for(tmp_path), RATES, 900))
+    for stage in ("plan", "prepare", "extract", "vocab", "train", "export", "check", "validate", "total"):
+        assert f"  {stage} " in text
+    assert "amx_bf16=False" in text and "test" in text
+
+
+def test_stated_rates_replace_the_probe_and_name_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "probe", lambda cfg: pytest.fail("probed although run.plan_rates is set"))
+    rates = {k: v for k, v in vars(RATES).items() if k not in ("probe_s", "machine")}
+    cfg = cfg_for(tmp_path, "run.time_budget=2h", f"run.plan_rates={json.dumps(rates)}")
+    planned = P.planned_config(cfg)
+    assert planned.data.max_samples == P.make_plan(cfg, P.stated_rates(cfg), 7200)["max_samples"]
+    del rates["train_step_s"]
+    bad = cfg_for(tmp_path / "b", "run.time_budget=2h", f"run.plan_rates={json.dumps(rates)}")
+    with pytest.raises(ValueError, match="lacks train_step_s"):
+        P.planned_config(bad)
