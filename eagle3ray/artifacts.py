@@ -88,6 +88,11 @@ def metrics_path(paths: storage.RunPaths) -> str:
     return f"{paths.sub('checkpoints')}/metrics.jsonl"
 
 
+def progress_path(paths: storage.RunPaths) -> str:
+    """``<run>/checkpoints/progress.json``: rank 0's latest step, rewritten every 10 steps (the driver's bar)."""
+    return f"{paths.sub('checkpoints')}/progress.json"
+
+
 def read_metrics(paths: storage.RunPaths) -> list[dict]:
     """Every line of ``<run>/checkpoints/metrics.jsonl`` (reports, 'untrained' and 'resumed' events). A last line
     without its newline (an append cut short) is not a record and is ignored."""

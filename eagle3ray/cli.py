@@ -29,17 +29,43 @@ app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_
                   help="Train EAGLE-3 draft heads on Ray: prepare -> extract -> (train, export, validate).")
 console = Console(stderr=True)
 
+
+
+@app.callback()
+def _options(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show everything on the terminal: "
+                                          "eagle3ray's INFO log, the actors' output (vLLM's stats, Serve, the Ray "
+                                          "Train workers) and Ray Data's progress. Without it they go to "
+                                          "<run>/logs/ (driver.log, ray/).")) -> None:
+    """Train EAGLE-3 draft heads on Ray: prepare -> extract -> (train, export, validate)."""
+    from .logs import set_verbose
+    from .logs import verbose as verbose_env
+
+    set_verbose(verbose or verbose_env())
+
+
 ConfigOpt = typer.Option(None, "-c", "--config", help="Run config YAML (default: configs/smollm2-135m-cpu.yaml).")
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. data.max_samples=32 extract.max_replicas=2")
 
 
 def _load(config: Optional[Path], overrides: Optional[list[str]]):
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """The resolved config; logging set up for it (:func:`eagle3ray.logs.setup`: quiet terminal, driver.log)."""
+    from .logs import setup
+
+    setup()
     try:
-        return load_config(config, overrides or [])
+        cfg = load_config(config, overrides or [])
     except ConfigError as e:
         console.print(f"[red]config error:[/red] {e}")
         raise typer.Exit(2) from None
+    setup(cfg)
+    return cfg
+
+
+def _collect_logs(cfg) -> None:
+    from .logs import collect_ray_logs, log_dir
+
+    if collect_ray_logs(cfg):
+        console.print(f"logs: {log_dir(cfg)}/ (driver.log; ray/: every actor's and worker's output)")
 
 
 def _rejected_table(title: str, rejected: dict) -> Table:
@@ -79,7 +105,7 @@ def _render(summary) -> None:
 def _show_plan(plan: dict, fresh: bool) -> None:
     from .plan import render
 
-    console.print(render(plan, fresh))
+    console.print(render(plan, fresh), soft_wrap=True, highlight=False)
 
 
 def _print_plan(plan: dict, fresh: bool) -> None:
@@ -98,6 +124,8 @@ def _stage_command(config, overrides, name: str, progress: bool = True) -> None:
                   on_stage=lambda ev, _n, summary, _s: _render(summary) if ev == "end" else None)
     except StageFailed:
         raise typer.Exit(1) from None
+    finally:
+        _collect_logs(cfg)
 
 
 @app.command()
@@ -264,18 +292,25 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
 
     cfg = _load(config, overrides)
 
-    def show(event: str, name: str, summary, _seconds: float) -> None:
+    from .logs import verbose
+
+    def show(event: str, name: str, summary, seconds: float) -> None:
         if event == "start":
-            console.rule(f"[bold]{name}")
-        elif name in ("prepare", "check", "validate"):
+            console.print(f"[bold]{name}[/bold] ...")
+        elif verbose() and name in ("prepare", "check", "validate"):
             _render(summary)
+        elif getattr(summary, "ok", True) is False:
+            _render(summary)  # a failed check: every problem, in full
         else:
-            console.print(summary.headline() if hasattr(summary, "headline") else summary.title)
+            line = summary.headline() if hasattr(summary, "headline") else summary.title
+            console.print(f"[bold]{name}[/bold] done in {seconds:.0f} s: {line}", soft_wrap=True)
 
     try:
         result = run_pipeline(cfg, progress=not no_progress, on_stage=show, on_plan=_show_plan)
     except StageFailed:
         raise typer.Exit(1) from None
+    finally:
+        _collect_logs(cfg)
     est = (result.plan or {}).get("estimates", {})
     console.print(_kv_table("stage wall times (s)" + (", planned" if est else ""),
                             [(n, f"{d:.1f}" + (f"  (plan {est[n]:.0f})" if n in est else ""))
@@ -283,8 +318,10 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
                             + [("total", f"{result.total_seconds:.1f}"
                                 + (f"  (plan {result.plan['total_s']:.0f}, budget {result.plan['budget_s']:.0f})"
                                    if est else ""))]))
-    console.print(f"report: {storage.run_paths(cfg).uri}/reports/validate.json (+ validate.png)")
-    console.print(result.summaries["validate"].headline())
+    if not verbose():
+        _render(result.summaries["validate"])
+    console.print(f"report: {storage.run_paths(cfg).uri}/reports/validate.json (+ validate.png)", soft_wrap=True)
+    console.print(result.summaries["validate"].headline(), soft_wrap=True)
 
 
 @app.command()

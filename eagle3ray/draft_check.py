@@ -56,6 +56,9 @@ class CheckReport:
 
     title = "check"
 
+    def headline(self) -> str:
+        return self.render().splitlines()[0]
+
     def render(self) -> str:
         lines = ["eagle3ray check: " + ("OK: vLLM's eagle3 loader accepts this draft" if self.ok else
                                         f"{len(self.problems)} problem(s)")]

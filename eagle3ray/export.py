@@ -41,6 +41,9 @@ class ExportSummary:
     def title(self) -> str:
         return "export" + (" (already exported: skipped)" if self.skipped else "")
 
+    def headline(self) -> str:
+        return f"export: step {self.step} -> {self.path}" + (" (already exported)" if self.skipped else "")
+
     def rows(self) -> list[tuple[str, object]]:
         """(label, value) rows for the CLI's table."""
         return [("checkpoint step", self.step), ("files", ", ".join(self.files)), ("output", self.path)]

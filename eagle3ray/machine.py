@@ -54,17 +54,21 @@ def ensure_ray(cfg) -> bool:
     ``ray.address`` (or ``RAY_ADDRESS``, set for drivers of ``ray job submit``) attaches to a running cluster;
     otherwise a local cluster of ``ray.num_cpus`` logical CPUs starts for the duration of the process. Token
     authentication stays as Ray configures it (on by default in Ray 2.60); a local cluster binds to 127.0.0.1
-    and starts no dashboard unless ``ray.include_dashboard`` is set.
+    and starts no dashboard unless ``ray.include_dashboard`` is set. Actors' output reaches this terminal only
+    with ``--verbose`` (:mod:`eagle3ray.logs`).
     """
     import ray
 
     if ray.is_initialized():
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    from .logs import quiet_loggers, verbose
+
     if address:
-        ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=True)
+        ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=verbose())
     else:
         ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-                 namespace=cfg.ray.namespace, _node_ip_address="127.0.0.1",
+                 namespace=cfg.ray.namespace, _node_ip_address="127.0.0.1", log_to_driver=verbose(),
                  runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+    quiet_loggers()
     return True

@@ -54,7 +54,7 @@ def _vocab(cfg, progress: bool):
 def _train(cfg, progress: bool):
     from .train import train
 
-    return train(cfg)
+    return train(cfg, progress=progress)
 
 
 def _export(cfg, progress: bool):

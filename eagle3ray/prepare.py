@@ -47,6 +47,12 @@ class PrepareSummary:
     def title(self) -> str:
         return "prepare" + (" (already complete: skipped)" if self.skipped else "")
 
+    def headline(self) -> str:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.rejected.counts.items(), key=lambda kv: -kv[1]))
+        return (f"prepare: {self.samples} conversations, {self.tokens} tokens, {self.regenerated} answers regenerated"
+                + (" (already complete)" if self.skipped else "")
+                + (f"; rejected {self.rejected.total} ({reasons})" if self.rejected.total else ""))
+
     def rows(self) -> list[tuple[str, object]]:
         """(label, value) rows for the CLI's table."""
         return [("conversations", self.samples), ("tokens", self.tokens), ("assistant (loss) tokens", self.loss_tokens),

@@ -16,7 +16,9 @@ Layout: ``<run>/checkpoints/train/checkpoint_*`` (Ray Train; :class:`eagle3ray.t
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -122,11 +124,43 @@ def _supersede_if_settings_changed(paths: storage.RunPaths, ck: str, settings: d
         storage.write_json_atomic(paths.fs, path, settings)
 
 
-def train(cfg, hooks: WorkerHooks | None = None) -> TrainSummary:
+@contextlib.contextmanager
+def _progress_bar(paths: storage.RunPaths, max_steps: int, enabled: bool):
+    """A tqdm bar in the driver, polling rank 0's progress file every 2 s while training runs."""
+    if not enabled:
+        yield
+        return
+    from tqdm.auto import tqdm
+
+    from .artifacts import progress_path
+
+    stop = threading.Event()
+    bar = tqdm(total=max_steps, desc="train", unit="step")
+
+    def poll() -> None:
+        while not stop.wait(2.0):
+            p = storage.read_json(paths.fs, progress_path(paths))
+            if p and p.get("max_steps") == max_steps and p["step"] >= bar.n:
+                bar.update(p["step"] - bar.n)
+                if p.get("loss") is not None:
+                    bar.set_postfix(loss=f"{p['loss']:.3f}", acc0=f"{p.get('acc0') or 0:.3f}", refresh=False)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        bar.close()
+
+
+def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> TrainSummary:
     """Run (or resume, or skip when finished) the train stage of ``cfg``.
 
     Args:
         hooks: test hooks handed to every worker (:class:`eagle3ray.train_worker.WorkerHooks`).
+        progress: show a progress bar (steps, loss, ETA) read from rank 0's ``checkpoints/progress.json``.
 
     Raises:
         FileNotFoundError: extract or vocab has not completed.
@@ -196,7 +230,8 @@ def train(cfg, hooks: WorkerHooks | None = None) -> TrainSummary:
         ),
         datasets={"train": ds_train, "val": ds_val},
     )
-    result = trainer.fit()
+    with _progress_bar(paths, cfg.train.max_steps, progress):
+        result = trainer.fit()
     if result.error:
         raise result.error
     history = read_metrics(paths)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import blocks, check_code_fingerprint, storage
-from .artifacts import metrics_path
+from .artifacts import metrics_path, progress_path
 from .draft import TRAINABLE_FILE, build_draft
 from .packing import pack_by_tokens
 
@@ -432,6 +432,12 @@ def _append_metrics(config: dict, entry: dict) -> None:
     storage.append_line(paths.fs, metrics_path(paths), json.dumps(entry))
 
 
+def _write_progress(config: dict, entry: dict) -> None:
+    """Rewrite ``<run>/checkpoints/progress.json`` (rank 0; what the driver's progress bar reads)."""
+    paths = storage.RunPaths.create(config["storage_uri"], config["run_name"], config["endpoint_url"])
+    storage.write_json_atomic(paths.fs, progress_path(paths), entry)
+
+
 def _report(config: dict, step: DraftStep, rank: int, pos: DataPosition, mine: set, report: dict) -> None:
     """Checkpoint + ``ray.train.report`` + metrics.jsonl + Ray metrics."""
     import ray.train
@@ -507,6 +513,8 @@ def train_loop_per_worker(config: dict) -> None:
                 log.info(f"step {pos.step}/{tc['max_steps']} loss {m.get('loss', float('nan')):.3f} "
                          + " ".join(f"acc{k} {m.get(f'full_acc_{k}', 0):.3f}" for k in range(tc["ttt_steps"]))
                          + f" lr {step.lr:.2e}")
+                _write_progress(config, {"step": pos.step, "max_steps": tc["max_steps"], "loss": m.get("loss"),
+                                         "acc0": m.get("full_acc_0"), "time": time.time()})
             if pos.step % tc["checkpoint_every"] == 0 or pos.step >= tc["max_steps"]:
                 dt, train_m = time.time() - t_last, summarize(comm.all_sum(sums), tc["ttt_steps"], "train_")
                 tok = comm.all_sum({"t": float(tokens_since)})["t"]

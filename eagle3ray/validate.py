@@ -49,6 +49,7 @@ class ValidateReport(dict):
             ("eval set / prompts", f"{r['eval_set']} / {r['num_prompts']}"),
             ("num_speculative_tokens (k)", r["num_speculative_tokens"]),
             ("compute dtype", r.get("dtype")),
+            ("temperature", r.get("temperature", 0.0)),
             ("mean acceptance length", r["mean_acceptance_length"]),
             ("acceptance per position", ", ".join(f"{a:.3f}" for a in r["acceptance_per_position"])),
             ("output tokens/s with draft", r["tokens_per_s_spec"]),
@@ -60,6 +61,8 @@ class ValidateReport(dict):
                      (f"  greedy identical ({r.get('dtype')}, batch numerics)", r["greedy_identical_at_dtype"])]
         else:
             rows.append(("greedy outputs identical", r["greedy_identical"]))
+        if r.get("temperature"):
+            rows.append(("CPU sampler fix (vLLM #55005)", r.get("vllm_cpu_expand_fix", "none: figures not trusted")))
         return rows + [("checkpoint step", r["checkpoint"]["step"])]
 
     def headline(self) -> str:

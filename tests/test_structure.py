@@ -15,8 +15,9 @@ PKG = Path(__file__).resolve().parent.parent / "eagle3ray"
 STAGES = {"prepare": {"prepare"}, "extract": {"extract"}, "vocab": {"vocab"}, "train": {"train", "train_worker"},
           "export": {"export"}, "check": {"draft_check"}, "validate": {"validate"}}
 STAGE_OF = {m: s for s, mods in STAGES.items() for m in mods}
-#: Modules that may import stages: they order them (pipeline) or present them (cli).
-ORCHESTRATORS = {"pipeline", "cli"}
+#: Modules that may import stages: they order them (pipeline), present them (cli) or time their own code to
+#: plan them (plan: the probe runs prepare's record reader and the Ray Train worker's DraftStep).
+ORCHESTRATORS = {"pipeline", "cli", "plan"}
 
 
 def _imports(path: Path) -> list[tuple[str, int]]:
