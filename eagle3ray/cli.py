@@ -65,7 +65,7 @@ def _collect_logs(cfg) -> None:
     from .logs import collect_ray_logs, log_dir
 
     if collect_ray_logs(cfg):
-        console.print(f"logs: {log_dir(cfg)}/ (driver.log; ray/: every actor's and worker's output)")
+        console.print(f"logs: {log_dir(cfg)}/ (driver.log; ray/: every actor's and worker's output)", soft_wrap=True)
 
 
 def _rejected_table(title: str, rejected: dict) -> Table:
@@ -81,8 +81,8 @@ def _rejected_table(title: str, rejected: dict) -> Table:
     return t
 
 
-def _kv_table(title: str, rows) -> Table:
-    t = Table(title=title)
+def _kv_table(title: str, rows, compact: bool = False) -> Table:
+    t = Table(title=title, box=None, show_header=False, title_justify="left") if compact else Table(title=title)
     t.add_column("field")
     t.add_column("value", justify="right")
     for k, v in rows:
@@ -317,9 +317,9 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
                              for n, d in result.seconds.items()]
                             + [("total", f"{result.total_seconds:.1f}"
                                 + (f"  (plan {result.plan['total_s']:.0f}, budget {result.plan['budget_s']:.0f})"
-                                   if est else ""))]))
+                                   if est else ""))], compact=True))
     if not verbose():
-        _render(result.summaries["validate"])
+        console.print(_kv_table(result.summaries["validate"].title, result.summaries["validate"].rows(), compact=True))
     console.print(f"report: {storage.run_paths(cfg).uri}/reports/validate.json (+ validate.png)", soft_wrap=True)
     console.print(result.summaries["validate"].headline(), soft_wrap=True)
 

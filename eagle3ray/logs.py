@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 
 from . import storage
 
@@ -26,6 +27,11 @@ VERBOSE_ENV = "EAGLE3RAY_VERBOSE"
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _QUIET_LOGGERS = ("ray", "ray.data", "ray.train", "ray.serve", "ray.tune", "speculators", "vllm", "filelock",
                   "urllib3", "httpx")
+
+
+#: Loggers whose warnings are about Ray's own bookkeeping (the notice that Ray Data's progress bars are off; Ray
+#: Data's issue detector suggesting memory requests for the block writers every 30 s, 13 lines each).
+_QUIET_TO_ERROR = ("ray.data._internal.progress", "ray.data._internal.issue_detection.issue_detector_manager")
 
 
 def verbose() -> bool:
@@ -63,6 +69,8 @@ def setup(cfg=None) -> str | None:
         root.addHandler(h)
         console = [h]
     console[0].setLevel(level)
+    if console[0].stream is not sys.stderr:  # a new sys.stderr (a test runner's, a notebook's): follow it
+        console[0].setStream(sys.stderr)
     quiet_loggers()
     if cfg is None:
         return None
@@ -87,6 +95,8 @@ def quiet_loggers() -> None:
         for h in logging.getLogger(name).handlers:
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
                 h.setLevel(logging.WARNING)
+    for name in _QUIET_TO_ERROR:  # their WARNINGs are for Ray's developers: driver.log only
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         from ray.data import DataContext
 
@@ -94,6 +104,12 @@ def quiet_loggers() -> None:
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
     except Exception:  # noqa: BLE001 - Ray Data absent or older: nothing to quiet
+        pass
+    try:  # speculators logs through loguru: its INFO/WARNING lines while loading weights
+        from loguru import logger as loguru_logger
+
+        loguru_logger.disable("speculators")
+    except ImportError:
         pass
 
 

@@ -134,7 +134,7 @@ def run_stage(cfg, name: str, *, with_needs: bool = False, progress: bool = True
     """
     from .plan import planned_config
 
-    cfg = planned_config(cfg, on_plan=on_plan)
+    cfg = planned_config(cfg, on_plan=on_plan, stage=name)
     stage = STAGES[name]
     if with_needs:
         for need in stage.needs:

@@ -41,12 +41,12 @@ log = logging.getLogger(__name__)
 PLAN_FILE = "plan.json"
 PLAN_SAFETY = 0.96  # plan for this fraction of the budget: run-to-run spread on one machine (docs/plan.md)
 
-#: Fixed costs (s) and efficiency factors of the stage model. Fitted on one full run of the CPU config (AMD EPYC,
+#: Fixed costs (s) and efficiency factors of the stage model. Fitted on two full runs of the CPU config (AMD EPYC,
 #: 2 cores, no AMX-BF16, fp32; ``docs/plan.md``, "Fit"): the probe's rates carry the machine's speed, these carry
 #: what the probe does not see (process and cluster start-up, batching tails, Ray's overhead).
 OVERHEADS = {
     "prepare_fixed_s": 18.0,      # Ray start, sources read and tokenized, regeneration actor start (+ engine load)
-    "regen_efficiency": 0.81,     # regeneration's answer throughput over the probe's (chunks of max_num_seqs wait
+    "regen_efficiency": 0.9,      # regeneration's answer throughput over the probe's (chunks of max_num_seqs wait
                                   # for their longest answer; longer contexts than the probe's)
     "answer_fill": 1.0,           # regenerated answer length over data.max_new_tokens (ShareGPT answers fill it)
     "extract_fixed_s": 12.0,      # Serve application and Ray Data pipeline start (+ engine load)
@@ -57,10 +57,10 @@ OVERHEADS = {
     "eval_fraction": 0.05,        # held-out evaluations, as a fraction of training time
     "export_s": 2.0,
     "validate_fixed_s": 10.0,
-    "engine_actor_s": 6.0,        # per validation engine: actor start, on top of 2 x the probe's in-process load
-    "val_decode_efficiency": 0.46,  # validation's tokens/s over the probe's at its batch (MT-Bench's longer
+    "engine_actor_s": 3.0,        # per validation engine: actor start, on top of 2 x the probe's in-process load
+    "val_decode_efficiency": 0.55,  # validation's tokens/s over the probe's at its batch (MT-Bench's longer
                                     # prompts, 128-token answers, the batch's tail)
-    "spec_slowdown": 1.8,         # the engine with the draft over the one without, CPU (validate.json's speedup)
+    "spec_slowdown": 1.9,         # the engine with the draft over the one without, CPU (validate.json's speedup)
 }
 
 
@@ -183,9 +183,13 @@ def make_plan(cfg, rates: Rates, budget_s: float) -> dict:
             "overheads": dict(OVERHEADS), "safety": PLAN_SAFETY, "created_at": time.time()}
 
 
-def needs_plan(cfg) -> bool:
-    """True when some size says ``plan`` (only allowed with ``run.time_budget``; the schema checks that)."""
-    return cfg.data.max_samples == "plan" or cfg.train.max_steps == "plan"
+#: The planned sizes each stage reads (a stage command plans only when one of its own says ``plan``).
+STAGE_SIZES = {"prepare": ("data.max_samples",), "extract": ("data.max_samples",), "train": ("train.max_steps",)}
+
+
+def needs_plan(cfg, sizes: tuple[str, ...] = ("data.max_samples", "train.max_steps")) -> bool:
+    """True when one of ``sizes`` says ``plan`` (only allowed with ``run.time_budget``; the schema checks that)."""
+    return any((cfg.data.max_samples if k == "data.max_samples" else cfg.train.max_steps) == "plan" for k in sizes)
 
 
 def probe(cfg) -> Rates:
@@ -275,8 +279,8 @@ def _probe_here(cfg) -> Rates:
 
     def decode_rate(batch: int) -> float:
         short = [prompts[i % len(prompts)][:32] for i in range(batch)]
-        long_t = gen(short, 12)  # first: the shorter call then reuses its prefix cache (conservative)
-        return batch * 10 / max(1e-6, long_t - gen(short, 2))
+        long_t = gen(short, 18)  # first: the shorter call then reuses its prefix cache (conservative)
+        return batch * 16 / max(1e-6, long_t - gen(short, 2))
 
     batch = max(1, v.max_num_seqs)
     dec = decode_rate(batch)
@@ -360,12 +364,15 @@ def read_plan(cfg) -> dict | None:
     return storage.read_json(fs, p)
 
 
-def planned_config(cfg, *, replan: bool = False, on_plan=None):
+def planned_config(cfg, *, replan: bool = False, on_plan=None, stage: str | None = None):
     """``cfg`` with its ``plan`` sizes replaced by the run's plan (read from ``<run>/plan.json``, or made now by
-    :func:`probe` + :func:`make_plan` and written there). ``cfg`` itself when nothing says ``plan``.
+    :func:`probe` + :func:`make_plan` and written there). ``cfg`` itself when nothing says ``plan`` (with
+    ``stage``: when none of the sizes that stage reads, :data:`STAGE_SIZES`, says ``plan``).
 
     ``on_plan(plan, fresh)`` is called with the plan used (``fresh``: made now). Raises what :func:`probe` raises.
     """
+    if stage is not None and not needs_plan(cfg, STAGE_SIZES.get(stage, ())):
+        return cfg
     if not needs_plan(cfg):
         return cfg
     plan = None if replan else read_plan(cfg)

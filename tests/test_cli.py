@@ -43,3 +43,7 @@ def test_extract_default_config_real_verifier(ray_session, tmp_path):
     assert paths.fs.exists(paths.sub("config.resolved.yaml"))
     r2 = runner.invoke(app, args)  # second run: both stages already complete
     assert r2.exit_code == 0 and "already complete" in r2.output
+    # a quiet terminal: eagle3ray's INFO log goes to <run>/logs/driver.log, not to the terminal
+    driver_log = (tmp_path / "runs" / "smollm2-135m-cpu" / "logs" / "driver.log").read_text()
+    assert "INFO eagle3ray.extract" in driver_log and "INFO eagle3ray" not in r.output
+    assert not (tmp_path / "runs" / "smollm2-135m-cpu" / "plan.json").exists()  # extract's size was given: no probe

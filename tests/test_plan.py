@@ -100,3 +100,30 @@ def test_stated_rates_replace_the_probe_and_name_what_is_missing(tmp_path, monke
     bad = cfg_for(tmp_path / "b", "run.time_budget=2h", f"run.plan_rates={json.dumps(rates)}")
     with pytest.raises(ValueError, match="lacks train_step_s"):
         P.planned_config(bad)
+
+
+def test_a_stage_command_plans_only_when_its_own_size_says_plan(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "probe", lambda cfg: pytest.fail("probed for a stage whose size was given"))
+    cfg = cfg_for(tmp_path, "data.max_samples=6")  # train.max_steps still says plan
+    assert P.planned_config(cfg, stage="extract") is cfg and P.planned_config(cfg, stage="prepare") is cfg
+    monkeypatch.setattr(P, "probe", lambda cfg: RATES)
+    planned = P.planned_config(cfg, stage="train")
+    assert planned.data.max_samples == 6 and isinstance(planned.train.max_steps, int)
+
+
+def test_quiet_logging_sends_info_to_the_run_and_warnings_to_the_terminal(tmp_path, monkeypatch, capsys):
+    import logging
+
+    from eagle3ray import logs
+    monkeypatch.delenv(logs.VERBOSE_ENV, raising=False)
+    path = logs.setup(cfg_for(tmp_path))
+    logging.getLogger("eagle3ray.test").info("detail for the log file")
+    logging.getLogger("eagle3ray.test").warning("a warning that matters")
+    err = capsys.readouterr().err
+    text = open(path).read()
+    assert "detail for the log file" in text and "a warning that matters" in text
+    assert "detail for the log file" not in err and "a warning that matters" in err
+    monkeypatch.setenv(logs.VERBOSE_ENV, "1")
+    logs.setup()
+    logging.getLogger("eagle3ray.test").info("shown with --verbose")
+    assert "shown with --verbose" in capsys.readouterr().err
