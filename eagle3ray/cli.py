@@ -118,12 +118,17 @@ def _stage_command(config, overrides, name: str, progress: bool = True) -> None:
     """Run one stage with the stages it needs first (each skipped when done), printing every summary."""
     from .pipeline import StageFailed, run_stage
 
+    from .plan import PlanChanged
+
     cfg = _load(config, overrides)
     try:
         run_stage(cfg, name, with_needs=True, progress=progress, on_plan=_show_plan,
                   on_stage=lambda ev, _n, summary, _s: _render(summary) if ev == "end" else None)
     except StageFailed:
         raise typer.Exit(1) from None
+    except PlanChanged as e:
+        console.print(f"[red]error:[/red] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
     finally:
         _collect_logs(cfg)
 
@@ -305,10 +310,15 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
             line = summary.headline() if hasattr(summary, "headline") else summary.title
             console.print(f"[bold]{name}[/bold] done in {seconds:.0f} s: {line}", soft_wrap=True)
 
+    from .plan import PlanChanged
+
     try:
         result = run_pipeline(cfg, progress=not no_progress, on_stage=show, on_plan=_show_plan)
     except StageFailed:
         raise typer.Exit(1) from None
+    except PlanChanged as e:
+        console.print(f"[red]error:[/red] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
     finally:
         _collect_logs(cfg)
     est = (result.plan or {}).get("estimates", {})

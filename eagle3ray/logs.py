@@ -34,6 +34,18 @@ _QUIET_LOGGERS = ("ray", "ray.data", "ray.train", "ray.serve", "ray.tune", "spec
 _QUIET_TO_ERROR = ("ray.data._internal.progress", "ray.data._internal.issue_detection.issue_detector_manager")
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A console handler that writes to whatever ``sys.stderr`` is now (a test runner or notebook replaces it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def verbose() -> bool:
     """Whether this process (and the Ray cluster it starts) shows everything on the terminal."""
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
@@ -63,14 +75,12 @@ def setup(cfg=None) -> str | None:
     level = logging.INFO if verbose() else logging.WARNING
     console = [h for h in root.handlers if getattr(h, "_eagle3ray", "") == "console"]
     if not console:
-        h = logging.StreamHandler()
+        h = _CurrentStderr()
         h.setFormatter(logging.Formatter(FORMAT))
         h._eagle3ray = "console"
         root.addHandler(h)
         console = [h]
     console[0].setLevel(level)
-    if console[0].stream is not sys.stderr:  # a new sys.stderr (a test runner's, a notebook's): follow it
-        console[0].setStream(sys.stderr)
     quiet_loggers()
     if cfg is None:
         return None

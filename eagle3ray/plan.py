@@ -64,6 +64,10 @@ OVERHEADS = {
 }
 
 
+class PlanChanged(RuntimeError):
+    """The run was planned for another ``run.time_budget`` (``<run>/plan.json``)."""
+
+
 def parse_duration(text: str) -> float:
     """``"15m"``, ``"1h30m"``, ``"90s"``, ``"2h"`` or plain seconds -> seconds.
 
@@ -376,6 +380,11 @@ def planned_config(cfg, *, replan: bool = False, on_plan=None, stage: str | None
     if not needs_plan(cfg):
         return cfg
     plan = None if replan else read_plan(cfg)
+    if plan is not None and abs(plan["budget_s"] - parse_duration(cfg.run.time_budget)) > 0.5:
+        raise PlanChanged(
+            f"run.time_budget {cfg.run.time_budget} differs from the {plan['budget_s'] / 60:g} min this run was "
+            f"planned for ({plan_path(cfg)[1]}): start a new run (run.name=...) for the new budget, or "
+            "`eagle3ray plan --replan` to re-plan this one (stages already finished then redo at the new sizes)")
     fresh = plan is None
     if fresh:
         rates = stated_rates(cfg) or probe(cfg)

@@ -127,3 +127,13 @@ def test_quiet_logging_sends_info_to_the_run_and_warnings_to_the_terminal(tmp_pa
     logs.setup()
     logging.getLogger("eagle3ray.test").info("shown with --verbose")
     assert "shown with --verbose" in capsys.readouterr().err
+
+
+def test_another_budget_on_a_planned_run_is_refused_until_replanned(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "probe", lambda cfg: RATES)
+    P.planned_config(cfg_for(tmp_path))
+    longer = cfg_for(tmp_path, "run.time_budget=30m")
+    with pytest.raises(P.PlanChanged, match="differs from the 15 min this run was planned for"):
+        P.planned_config(longer)
+    assert P.planned_config(longer, replan=True).data.max_samples > P.planned_config(
+        cfg_for(tmp_path / "other")).data.max_samples
