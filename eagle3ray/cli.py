@@ -47,8 +47,9 @@ ConfigOpt = typer.Option(None, "-c", "--config", help="Run config YAML (default:
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. data.max_samples=32 extract.max_replicas=2")
 
 
-def _load(config: Optional[Path], overrides: Optional[list[str]]):
-    """The resolved config; logging set up for it (:func:`eagle3ray.logs.setup`: quiet terminal, driver.log)."""
+def _load(config: Optional[Path], overrides: Optional[list[str]], log_file: bool = False):
+    """The resolved config; logging set up (:func:`eagle3ray.logs.setup`: a quiet terminal; with ``log_file``,
+    for commands that run stages, the run's driver.log)."""
     from .logs import setup
 
     setup()
@@ -57,7 +58,8 @@ def _load(config: Optional[Path], overrides: Optional[list[str]]):
     except ConfigError as e:
         console.print(f"[red]config error:[/red] {e}")
         raise typer.Exit(2) from None
-    setup(cfg)
+    if log_file:
+        setup(cfg)
     return cfg
 
 
@@ -120,7 +122,7 @@ def _stage_command(config, overrides, name: str, progress: bool = True) -> None:
 
     from .plan import PlanChanged
 
-    cfg = _load(config, overrides)
+    cfg = _load(config, overrides, log_file=True)
     try:
         run_stage(cfg, name, with_needs=True, progress=progress, on_plan=_show_plan,
                   on_stage=lambda ev, _n, summary, _s: _render(summary) if ev == "end" else None)
@@ -295,7 +297,7 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
     from .pipeline import StageFailed
     from .pipeline import run as run_pipeline
 
-    cfg = _load(config, overrides)
+    cfg = _load(config, overrides, log_file=True)
 
     from .logs import verbose
 

@@ -225,7 +225,7 @@ def test_run_after_interruption_skips_finished_stages_and_validates(trained):
                                  "validation.greedy_check_dtype=float32", "--no-progress"])
     assert r.exit_code == 0, r.output
     out = r.output
-    assert "prepare (already complete: skipped)" in out
+    assert "prepare done in 0 s: prepare: 64 conversations" in out and "tokens (already complete)" in out
     assert "extract: 64 samples" in out and "(already complete)" in out
     assert "train: 40 steps (already complete)" in out
     paths = storage.run_paths(cfg)
