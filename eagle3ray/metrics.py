@@ -2,20 +2,20 @@
 Prometheus export (``ray start --metrics-export-port``) with Ray's ``ray_`` prefix, and in the
 dashboard's Metrics view / Grafana next to Ray's own. Every series carries a ``run`` tag (the run name).
 
-=======================================  =========  ==============================================
-name (as exported)                       kind       meaning
-=======================================  =========  ==============================================
-ray_eagle3ray_extract_tokens_total       counter    tokens whose hidden states were committed
-ray_eagle3ray_extract_samples_total      counter    samples whose hidden states were committed
-ray_eagle3ray_extract_batch_tokens       histogram  tokens per engine batch (unit)
-ray_eagle3ray_extract_retries_total      counter    unit calls retried after a replica/node failure
-ray_eagle3ray_extract_blocks_committed   counter    blocks committed into the manifest
-ray_eagle3ray_extract_tokens_per_s       gauge      committed tokens / s since the stage started
-ray_eagle3ray_verifier_replicas_alive    gauge      RUNNING replicas of the verifier service
-ray_eagle3ray_train_loss                 gauge      training loss at the last report
-ray_eagle3ray_train_accuracy             gauge      held-out accuracy per TTT position (tag position)
-ray_eagle3ray_train_tokens_per_s         gauge      training tokens / s (all workers)
-=======================================  =========  ==============================================
+=============================================  =========  ==============================================
+name (as exported)                             kind       meaning
+=============================================  =========  ==============================================
+ray_eagle3ray_extract_tokens_total             counter    tokens whose hidden states were committed
+ray_eagle3ray_extract_samples_total            counter    samples whose hidden states were committed
+ray_eagle3ray_extract_batch_tokens             histogram  tokens per engine batch (unit)
+ray_eagle3ray_extract_retries_total            counter    unit calls retried after a replica/node failure
+ray_eagle3ray_extract_blocks_committed_total   counter    blocks committed into the manifest
+ray_eagle3ray_extract_tokens_per_s             gauge      committed tokens / s since the stage started
+ray_eagle3ray_verifier_replicas_alive          gauge      RUNNING replicas of the verifier service
+ray_eagle3ray_train_loss                       gauge      training loss at the last report
+ray_eagle3ray_train_accuracy                   gauge      held-out accuracy per TTT position (tag position)
+ray_eagle3ray_train_tokens_per_s               gauge      training tokens / s (all workers)
+=============================================  =========  ==============================================
 
 Metric objects are created once per process, on first use; calls are cheap (Ray batches exports).
 Counters are cumulative; gauges are exported while they are being set (Ray evicts a gauge series that
