@@ -486,11 +486,13 @@ def verifier_stop(config: Optional[Path] = ConfigOpt, overrides: Optional[list[s
 
 
 def main() -> None:
+    from .lease import LeaseHeld, exit_on_sigterm
     from .verifier_service import VerifierMismatch
 
+    exit_on_sigterm()
     try:
         app()
-    except VerifierMismatch as e:
+    except (VerifierMismatch, LeaseHeld) as e:
         console.print(f"[red]error:[/red] {e}")
         sys.exit(1)
     except KeyboardInterrupt:

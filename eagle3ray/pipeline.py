@@ -89,6 +89,9 @@ class Stage:
     fn: Callable[[Any, bool], Any]
 
 
+#: Stages that only read the run (every other stage holds the run's writer lease while it runs).
+READ_ONLY_STAGES = frozenset({"check"})
+
 #: The stages in pipeline order.
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("prepare", (), _prepare),
@@ -142,7 +145,14 @@ def run_stage(cfg, name: str, *, with_needs: bool = False, progress: bool = True
     if on_stage is not None:
         on_stage("start", name, None, 0.0)
     t = time.time()
-    summary = stage.fn(cfg, progress)
+    if name in READ_ONLY_STAGES:
+        summary = stage.fn(cfg, progress)
+    else:
+        from . import storage
+        from .lease import held
+
+        with held(storage.run_paths(cfg), name):  # one writer per run (eagle3ray.lease)
+            summary = stage.fn(cfg, progress)
     if on_stage is not None:
         on_stage("end", name, summary, time.time() - t)
     if getattr(summary, "ok", True) is False:
@@ -171,15 +181,22 @@ def run(cfg, *, progress: bool = True, on_stage: Callable[[str, str, Any, float]
         if on_plan is not None:
             on_plan(plan, fresh)
 
-    cfg = planned_config(cfg, on_plan=keep)
-
     def record(event: str, name: str, summary, seconds: float) -> None:
         if event == "end":
             result.summaries[name], result.seconds[name] = summary, seconds
         if on_stage is not None:
             on_stage(event, name, summary, seconds)
 
-    for name in STAGES:
-        run_stage(cfg, name, progress=progress, on_stage=record)
+    cfg = planned_config(cfg, on_plan=keep)
+    from . import storage
+    from .lease import held
+
+    with held(storage.run_paths(cfg), "run"):  # the whole run is one writer; its stages reuse the lease
+        _run_stages(cfg, progress, record)
     result.total_seconds = time.time() - t0
     return result
+
+
+def _run_stages(cfg, progress: bool, record) -> None:
+    for name in STAGES:
+        run_stage(cfg, name, progress=progress, on_stage=record)

@@ -1,0 +1,194 @@
+"""One writer per run: a lease file at ``<run>/writer.lease``, created exclusively, renewed while the writer works.
+
+Two jobs writing the same run (a resubmitted Ray Job, a laptop run and a RayJob on the same ``s3://`` prefix)
+would each rewrite the manifests and delete the other's blocks. Every stage that writes a run holds its lease
+(:func:`held`, used by :func:`eagle3ray.pipeline.run_stage`):
+
+- **acquire**: create ``writer.lease`` exclusively: ``O_CREAT | O_EXCL`` on local disk, a conditional put
+  (``If-None-Match: *``, s3fs ``mode="create"``) on object stores. The lease records the holder: host, pid,
+  Ray job id (when run as a Ray Job), the command, since when, and when it was last renewed;
+- **renew**: a daemon thread rewrites ``renewed_at`` every ``ttl / 3`` seconds while the stage runs, after
+  checking that the lease on storage is still its own;
+- **release**: the lease is deleted when the stage ends (normally or by an exception);
+- **refuse**: a second writer finds the lease and raises :class:`LeaseHeld`, naming the holder and how to take
+  over; **take over**: a lease not renewed for ``ttl`` seconds (its holder was killed, or its node lost) is
+  removed and acquired anew by the next writer, which logs whose lease it took.
+
+Limits: taking over an expired lease is read-check-delete-create, so two writers that find the same expired
+lease at the same instant may both delete it; the exclusive create then lets only one of them in, unless the
+second delete lands after the first create (a window of one storage round trip). Manifest writes are not yet
+conditional on the version a writer read (issue 16, item 1).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+
+from . import storage
+
+log = logging.getLogger(__name__)
+
+LEASE_FILE = "writer.lease"
+DEFAULT_TTL_S = 60.0
+
+
+class LeaseHeld(RuntimeError):
+    """Another writer holds the run's lease; the message names it and how to take over."""
+
+
+def lease_path(paths: storage.RunPaths) -> str:
+    return paths.sub(LEASE_FILE)
+
+
+def _holder(stage: str) -> dict:
+    now = time.time()
+    return {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+            "ray_job_id": os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID"),
+            "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300],
+            "stage": stage, "since": now, "renewed_at": now}
+
+
+def _create_exclusive(fs, path: str, data: bytes) -> bool:
+    """Create ``path`` only if it does not exist; False when it does."""
+    if storage.is_local(fs):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+    try:
+        fs.pipe_file(path, data, mode="create")
+    except (FileExistsError, OSError) as e:
+        if isinstance(e, FileExistsError) or "PreconditionFailed" in repr(e) or "412" in repr(e):
+            return False
+        raise
+    return True
+
+
+def _read(fs, path: str) -> dict | None:
+    try:
+        return storage.read_json(fs, path)
+    except (json.JSONDecodeError, UnicodeDecodeError):  # a lease being written right now: treat as held
+        return {"host": "?", "pid": "?", "since": time.time(), "renewed_at": time.time(), "token": "?"}
+
+
+def describe(h: dict) -> str:
+    age = time.time() - float(h.get("renewed_at", 0))
+    job = f", Ray job {h['ray_job_id']}" if h.get("ray_job_id") else ""
+    return (f"host {h.get('host')}, pid {h.get('pid')}{job}, stage {h.get('stage')}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(float(h.get('since', 0))))}, last renewed "
+            f"{age:.0f} s ago ({h.get('command', '')})")
+
+
+def acquire(paths: storage.RunPaths, stage: str, ttl_s: float = DEFAULT_TTL_S) -> dict:
+    """Take the run's lease for ``stage``; returns the holder record written.
+
+    Raises:
+        LeaseHeld: a live lease (renewed within ``ttl_s``) belongs to another writer.
+    """
+    fs, path = paths.fs, lease_path(paths)
+    me = _holder(stage)
+    data = json.dumps(me).encode()
+    for _ in range(3):
+        if _create_exclusive(fs, path, data):
+            return me
+        other = _read(fs, path)
+        if other is None:  # released between our create and our read: try again
+            continue
+        if time.time() - float(other.get("renewed_at", 0)) <= ttl_s:
+            raise LeaseHeld(
+                f"{paths.uri}: another writer holds this run ({describe(other)}). Two writers would delete each "
+                f"other's blocks. Wait for it, stop it (`ray job stop <id>` or kill pid {other.get('pid')} on "
+                f"{other.get('host')}), or, if it is gone, its lease expires {ttl_s:.0f} s after its last renewal "
+                f"and the next command takes over; to take over now, delete {paths.uri}/{LEASE_FILE}.")
+        if _read(fs, path) == other:  # still the same expired lease: remove it, then race for a fresh create
+            log.warning("%s: taking over an expired lease (%s)", paths.uri, describe(other))
+            try:
+                fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+    raise LeaseHeld(f"{paths.uri}: could not take the writer lease ({LEASE_FILE}) after 3 tries; another writer "
+                    "is taking it at the same time")
+
+
+def renew(paths: storage.RunPaths, me: dict) -> bool:
+    """Rewrite ``renewed_at`` if the lease is still ``me``'s; False (and nothing written) if it is not."""
+    cur = _read(paths.fs, lease_path(paths))
+    if not cur or cur.get("token") != me["token"]:
+        return False
+    me["renewed_at"] = time.time()
+    storage.write_json_atomic(paths.fs, lease_path(paths), me)
+    return True
+
+
+def release(paths: storage.RunPaths, me: dict) -> None:
+    """Delete the lease if it is still ``me``'s."""
+    cur = _read(paths.fs, lease_path(paths))
+    if cur and cur.get("token") == me["token"]:
+        try:
+            paths.fs.rm_file(lease_path(paths))
+        except FileNotFoundError:
+            pass
+
+
+@contextmanager
+def held(paths: storage.RunPaths, stage: str, ttl_s: float = DEFAULT_TTL_S):
+    """Hold the run's lease while the block runs (acquire, renew every ``ttl_s / 3`` s, release).
+
+    Re-entrant within a process: a stage run inside another stage's lease (``with_needs``) reuses it.
+    A renewal that finds the lease taken over logs an error (the stage goes on; its commits follow the
+    manifests' exactly-once rules).
+    """
+    key = paths.uri
+    if key in _HELD:
+        yield _HELD[key]
+        return
+    me = acquire(paths, stage, ttl_s)
+    _HELD[key] = me
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(ttl_s / 3):
+            try:
+                if not renew(paths, me):
+                    log.error("%s: the writer lease was taken over by another writer; stop this one", paths.uri)
+                    return
+            except Exception as e:  # noqa: BLE001 - storage blip: try again next period
+                log.warning("%s: lease renewal failed (%s); retrying", paths.uri, e)
+
+    t = threading.Thread(target=loop, daemon=True, name="eagle3ray-lease")
+    t.start()
+    try:
+        yield me
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        _HELD.pop(key, None)
+        try:
+            release(paths, me)
+        except Exception as e:  # noqa: BLE001 - the lease then expires on its own
+            log.warning("%s: could not release the writer lease (%s); it expires in %.0f s", paths.uri, e, ttl_s)
+
+
+_HELD: dict[str, dict] = {}
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (``ray job stop``, Kubernetes) into ``SystemExit(143)`` in the main thread, so that a stopped
+    command releases its lease and closes what it holds instead of leaving the lease to expire."""
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -1,0 +1,98 @@
+"""One writer per run: a real second process is refused, a killed holder's lease expires and is taken over."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from eagle3ray import lease, storage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def holder(uri: str, ttl: float, seconds: float) -> subprocess.Popen:
+    """A separate process holding the run's lease for ``seconds``; prints READY once it holds it."""
+    code = textwrap.dedent(f"""
+        import time
+        from eagle3ray import lease, storage
+        paths = storage.RunPaths.create({uri!r}, "r")
+        lease.exit_on_sigterm()
+        with lease.held(paths, "extract", ttl_s={ttl}):
+            print("READY", flush=True)
+            time.sleep({seconds})
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert p.stdout.readline().strip() == "READY"
+    return p
+
+
+def test_a_second_writer_is_refused_naming_the_holder_and_the_lease_goes_with_it(tmp_path):
+    uri = f"file://{tmp_path}"
+    paths = storage.RunPaths.create(uri, "r")
+    p = holder(uri, ttl=30, seconds=60)
+    try:
+        with pytest.raises(lease.LeaseHeld) as e:
+            lease.acquire(paths, "train")
+        msg = str(e.value)
+        assert f"pid {p.pid}" in msg and "stage extract" in msg and "writer.lease" in msg and "since" in msg
+    finally:
+        p.terminate()  # SIGTERM (what `ray job stop` sends): the holder exits through its finally blocks
+        p.wait()
+    assert not paths.fs.exists(lease.lease_path(paths))
+    lease.release(paths, lease.acquire(paths, "train"))
+
+
+def test_a_normal_exit_releases_the_lease(tmp_path):
+    uri = f"file://{tmp_path}"
+    paths = storage.RunPaths.create(uri, "r")
+    p = holder(uri, ttl=30, seconds=0.2)
+    assert p.wait() == 0
+    assert not paths.fs.exists(lease.lease_path(paths))
+    me = lease.acquire(paths, "prepare")
+    lease.release(paths, me)
+
+
+def test_a_killed_holders_lease_expires_and_is_taken_over(tmp_path):
+    uri = f"file://{tmp_path}"
+    paths = storage.RunPaths.create(uri, "r")
+    p = holder(uri, ttl=1.5, seconds=60)
+    time.sleep(1.0)  # renewed meanwhile (every ttl/3): still held after more than half its ttl
+    with pytest.raises(lease.LeaseHeld):
+        lease.acquire(paths, "train", ttl_s=1.5)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert paths.fs.exists(lease.lease_path(paths))  # nobody released it
+    time.sleep(2.0)
+    me = lease.acquire(paths, "train", ttl_s=1.5)  # expired: taken over
+    assert storage.read_json(paths.fs, lease.lease_path(paths))["token"] == me["token"]
+
+
+def test_the_cli_refuses_a_second_writer_before_any_work(tmp_path):
+    uri = f"file://{tmp_path}"
+    p = holder(uri, ttl=30, seconds=60)
+    try:
+        t = time.time()
+        r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "eagle3ray"), "prepare",
+                            f"run.storage={uri}", "run.name=r", "data.max_samples=4"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert "another writer holds this run" in r.stderr and f"pid {p.pid}" in r.stderr
+        assert not os.path.exists(tmp_path / "r" / "conversations")  # nothing was written
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_exclusive_create_on_object_storage(s3_endpoint, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    paths = storage.RunPaths.create("s3://eagle3ray/runs", "r", s3_endpoint)
+    me = lease.acquire(paths, "extract")
+    with pytest.raises(lease.LeaseHeld, match="another writer holds this run"):
+        lease.acquire(paths, "extract")
+    assert lease.renew(paths, me)
+    lease.release(paths, me)
+    lease.release(paths, lease.acquire(paths, "train"))
