@@ -65,6 +65,29 @@ class PrepareSummary:
         return {"prepare": self.rejected.to_json()} if self.rejected.total else {}
 
 
+#: What is made from a run's conversations, in pipeline order: set aside together when they are redone.
+DERIVED = ("conversations", "hidden_states", "vocab", "checkpoints", "export", "reports")
+
+
+def supersede(paths: storage.RunPaths, why: str) -> int | None:
+    """Move the run's conversations and everything made from them (:data:`DERIVED`) to ``<name>.superseded-<n>``
+    (one ``n`` for all, the first free one), never deleting; returns ``n``, or None when there was nothing.
+
+    A partial extraction built from the old conversations stays whole beside them: move the folders back (and the
+    config with them) to resume or finish it. Done before anything new is written.
+    """
+    present = [d for d in DERIVED if paths.fs.exists(paths.sub(d))]
+    if not present:
+        return None
+    n = 1
+    while any(paths.fs.exists(paths.sub(f"{d}.superseded-{n}")) for d in DERIVED):
+        n += 1
+    for d in present:
+        paths.fs.mv(paths.sub(d), paths.sub(f"{d}.superseded-{n}"), recursive=True)
+    log.warning("%s: %s; %s moved to *.superseded-%d (nothing deleted)", paths.uri, why, ", ".join(present), n)
+    return n
+
+
 def _config_hash(cfg, spec_identity: dict) -> str:
     blob = cfg.data.model_dump_json(exclude={"tokens_per_sample_estimate", "regenerate_engine"}) + repr(sorted(spec_identity.items()))
     if cfg.data.regenerate and cfg.verifier.dtype != "float32":  # greedy answers depend on the compute dtype
@@ -248,6 +271,9 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
 
         check_compute_dtype(storage.read_json(paths.fs, f"{paths.hidden_states}/manifest.json"),
                             cfg.verifier.dtype, f"{paths.uri}/hidden_states/manifest.json")
+    if existing and existing.get("config_hash") != chash:
+        supersede(paths, f"data.* or the verifier changed (conversations config hash {existing.get('config_hash')} "
+                         f"-> {chash})")
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     rejected = RejectCounter()
     records = collect_records(cfg, rejected, tokenizer)

@@ -115,3 +115,31 @@ def test_prepare_refuses_to_redo_conversations_under_blocks_of_another_dtype(tmp
     with pytest.raises(ManifestMismatch, match=r"verifier.dtype 'bfloat16' .* 'float32'.*verifier.dtype=bfloat16"):
         prepare(cfg)
     assert not paths.fs.exists(f"{paths.conversations}/manifest.json")  # nothing was regenerated or written
+
+
+def test_changing_data_sets_the_old_conversations_and_their_blocks_aside(tmp_path, make_cfg):
+    """Re-running prepare with another data.* setting never overwrites what a partial extraction was made from."""
+    from eagle3ray import storage
+    from eagle3ray.prepare import prepare
+
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                   {"role": "assistant", "content": f"a{i}"}]}) for i in range(6)))
+    cfg = make_cfg([p], "data.max_samples=3")
+    paths = storage.run_paths(cfg)
+    first = prepare(cfg)
+    assert first.samples == 3
+    old_conv = paths.fs.cat_file(f"{paths.conversations}/conversations.parquet")
+    storage.write_json_atomic(paths.fs, f"{paths.hidden_states}/manifest.json", {"complete": False, "entries": []})
+    paths.fs.pipe_file(f"{paths.hidden_states}/block-000001.parquet", b"a partial extraction's block")
+    again = prepare(make_cfg([p], "data.max_samples=5"))
+    assert again.samples == 5 and not again.skipped
+    assert paths.fs.cat_file(paths.sub("conversations.superseded-1", "conversations.parquet")) == old_conv
+    assert paths.fs.cat_file(paths.sub("hidden_states.superseded-1", "block-000001.parquet")) == \
+        b"a partial extraction's block"
+    assert not paths.fs.exists(paths.hidden_states)  # the new conversations start a new extraction
+    prepare(make_cfg([p], "data.max_samples=4"))  # a second change: superseded-2, the first kept
+    assert paths.fs.exists(paths.sub("conversations.superseded-2")) and paths.fs.exists(
+        paths.sub("conversations.superseded-1"))
+    assert prepare(make_cfg([p], "data.max_samples=4")).skipped  # the same settings again: nothing moves
+    assert not paths.fs.exists(paths.sub("conversations.superseded-3"))
