@@ -93,9 +93,11 @@ def plan_units(samples: list[dict], max_tokens: int) -> list[list[dict]]:
 class BlockWriter:
     """Ray Data callable class: one unit -> verifier service -> one Parquet block (not yet committed).
 
-    A unit whose call fails because its replica or node died (``RayActorError``, ``ActorUnavailableError``)
-    is sent again, up to ``max_retries`` times with a growing pause; Serve routes it to a live replica
-    (or the replacement it starts). Errors raised by the engine itself (bad input) are not retried.
+    A unit whose call fails because its replica or node died (``RayActorError``, ``ActorUnavailableError``) or
+    its engine failed (the replica then fails Serve's health check and is replaced:
+    :class:`eagle3ray.verifier_service.VerifierDeployment`) is sent again, up to ``max_retries`` times with a
+    growing pause; Serve routes it to a live replica (or the replacement it starts). ``VerifierError`` (bad
+    input, a wrong output) is not retried.
 
     Returns one row per unit: path (relative to hidden_states/), rows, tokens, bytes, sha256,
     sample_ids (the ids written, in block order), seconds (engine + write wall time), retries.
@@ -118,10 +120,14 @@ class BlockWriter:
         from ray.exceptions import ActorUnavailableError, RayActorError
 
         req = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"]} for s in samples]
+        from .verifier import VerifierError
+
         for attempt in range(self.max_retries + 1):
             try:
                 return self.handle.extract.remote(req, self.storage_dtype).result(), attempt
-            except (RayActorError, ActorUnavailableError) as e:
+            except VerifierError:
+                raise  # bad input or a wrong output: retrying gives the same
+            except (RayActorError, ActorUnavailableError, RuntimeError) as e:  # a dead, broken or unhealthy replica
                 if attempt == self.max_retries:
                     raise RuntimeError(f"unit {samples[0]['sample_id']}..{samples[-1]['sample_id']}: verifier "
                                        f"replica failed {attempt + 1} times; last: {type(e).__name__}: {e}") from e

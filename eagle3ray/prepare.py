@@ -156,6 +156,37 @@ def _cut_turns(messages: list[dict], max_turns: int) -> list[dict]:
     return out
 
 
+#: Times a regeneration chunk is retried on a new engine after its engine died.
+REGENERATE_RETRIES = 2
+
+
+class AnswerStore:
+    """Regenerated answers committed chunk by chunk, so an interrupted ``prepare`` resumes without redoing them.
+
+    ``<run>/conversations/answers-<config hash>/round<k>-<first prompt index>.json``: ``{sample_id: answer}`` of one
+    chunk, written atomically when the chunk returns (a file that exists is complete; other settings make another
+    folder). Removed once the conversations are committed.
+    """
+
+    def __init__(self, paths: storage.RunPaths, config_hash: str):
+        self.fs, self.root = paths.fs, f"{paths.conversations}/answers-{config_hash}"
+
+    def committed(self, k: int) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.fs.exists(self.root):
+            for f in sorted(self.fs.ls(self.root, detail=False)):
+                if f.rsplit("/", 1)[-1].startswith(f"round{k}-") and f.endswith(".json"):
+                    out.update(storage.read_json(self.fs, f) or {})
+        return out
+
+    def commit(self, k: int, first: int, answers: dict[str, str]) -> None:
+        storage.write_json_atomic(self.fs, f"{self.root}/round{k}-{first:07d}.json", answers)
+
+    def clear(self) -> None:
+        if self.fs.exists(self.root):
+            self.fs.rm(self.root, recursive=True)
+
+
 @contextlib.contextmanager
 def answer_engine(cfg, spec):
     """The engine that regenerates answers (``data.regenerate_engine``), as ``generate(prompts, seed) -> texts``.
@@ -180,24 +211,47 @@ def answer_engine(cfg, spec):
         return
     from .serving_engine import ServingEngine
 
+    from ray.exceptions import RayActorError
+
     opts = {"num_cpus": v.num_cpus, **({"num_gpus": v.num_gpus} if v.num_gpus else {})}
-    t0 = time.time()
-    eng = ray.remote(**opts)(ServingEngine).remote(
-        spec.model_path, draft_dir=None, dtype=v.dtype, max_model_len=v.max_model_len,
-        enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs, seed=v.seed,
-        cpu_kv_cache_gib=v.cpu_kv_cache_gib, gpu_memory_utilization=v.gpu_memory_utilization,
-        tensor_parallel_size=v.tensor_parallel_size, device=v.device, cpu_threads=v.cpu_threads)
-    try:
-        ray.get(eng.__ray_ready__.remote())
+
+    def start():
+        t0 = time.time()
+        e = ray.remote(**opts)(ServingEngine).remote(
+            spec.model_path, draft_dir=None, dtype=v.dtype, max_model_len=v.max_model_len,
+            enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs, seed=v.seed,
+            cpu_kv_cache_gib=v.cpu_kv_cache_gib, gpu_memory_utilization=v.gpu_memory_utilization,
+            tensor_parallel_size=v.tensor_parallel_size, device=v.device, cpu_threads=v.cpu_threads)
+        ray.get(e.__ray_ready__.remote())
         log.info("dedicated regeneration engine loaded in %.1f s", time.time() - t0)
-        yield lambda prompts, seed: ray.get(eng.generate.remote(prompts, d.max_new_tokens, d.temperature,
-                                                                 seed=seed))["texts"]
+        return e
+
+    eng = [start()]
+
+    def generate(prompts, seed):
+        for attempt in range(REGENERATE_RETRIES + 1):
+            try:
+                return ray.get(eng[0].generate.remote(prompts, d.max_new_tokens, d.temperature, seed=seed))["texts"]
+            except RayActorError as e:  # the engine's process died (OOM, node lost): a new one redoes the chunk
+                if attempt == REGENERATE_RETRIES:
+                    raise
+                log.warning("regeneration engine died (%s); restarting it and retrying the chunk of %d prompts "
+                            "(%d/%d)", type(e).__name__, len(prompts), attempt + 1, REGENERATE_RETRIES)
+                eng[0] = start()
+
+    try:
+        yield generate
     finally:
-        ray.kill(eng)
+        ray.kill(eng[0])
 
 
-def regenerate_answers(cfg, records: list[Record], tokenizer, generate, rejected: RejectCounter) -> list[Record]:
+def regenerate_answers(cfg, records: list[Record], tokenizer, generate, rejected: RejectCounter,
+                       store: AnswerStore | None = None, on_chunk=None) -> list[Record]:
     """Replace assistant answers with the verifier's own, round by round (turn k of every sample at once).
+
+    With ``store`` every chunk's answers are committed as it returns, and answers already committed (an earlier,
+    interrupted ``prepare`` of the same settings) are used instead of regenerated. ``on_chunk(round, n_prompts)``
+    is called after each chunk is committed (progress and tests).
 
     ``generate(prompts, seed) -> texts`` is :func:`answer_engine`'s callable; prompts go to it
     ``verifier.max_num_seqs`` at a time. A conversation whose next prompt would not leave
@@ -226,12 +280,26 @@ def regenerate_answers(cfg, records: list[Record], tokenizer, generate, rejected
             owners.append(sid)
         if not prompts:
             break
-        bar = tqdm(total=len(prompts), desc=f"regenerate round {k + 1}/{rounds}", unit="answer")
-        for i in range(0, len(prompts), chunk):
-            outs = generate(prompts[i:i + chunk], cfg.data.seed + k)
-            for sid, text in zip(owners[i:i + chunk], outs):
+        done = store.committed(k) if store else {}
+        for sid in owners:
+            if sid in done:
+                convs[sid] = convs[sid] + [users[sid][k], {"role": "assistant", "content": done[sid]}]
+        todo = [(p, sid) for p, sid in zip(prompts, owners) if sid not in done]
+        if done:
+            log.info("regenerate round %d: %d answers already committed, %d to do", k + 1, len(prompts) - len(todo),
+                     len(todo))
+        bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc=f"regenerate round {k + 1}/{rounds}",
+                   unit="answer")
+        for i in range(0, len(todo), chunk):
+            part = todo[i:i + chunk]
+            outs = generate([p for p, _ in part], cfg.data.seed + k)
+            for (_, sid), text in zip(part, outs):
                 convs[sid] = convs[sid] + [users[sid][k], {"role": "assistant", "content": text}]
+            if store:
+                store.commit(k, len(prompts) - len(todo) + i, {sid: text for (_, sid), text in zip(part, outs)})
             bar.update(len(outs))
+            if on_chunk is not None:
+                on_chunk(k, len(part))
         bar.close()
         active = owners
     out = []
@@ -241,8 +309,12 @@ def regenerate_answers(cfg, records: list[Record], tokenizer, generate, rejected
     return out
 
 
-def prepare(cfg, force: bool = False) -> PrepareSummary:
+def prepare(cfg, force: bool = False, on_chunk=None) -> PrepareSummary:
     """Run the prepare stage for ``cfg`` (see module docstring). Returns the summary.
+
+    Regenerated answers are committed chunk by chunk (:class:`AnswerStore`): an interrupted run resumes without
+    regenerating them; a chunk whose engine died is retried on a new engine. ``on_chunk``: see
+    :func:`regenerate_answers`.
 
     Raises:
         FileNotFoundError: a source file or package is missing.
@@ -281,8 +353,9 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
         from .machine import ensure_ray
 
         ensure_ray(cfg)
+        store = AnswerStore(paths, chash)
         with answer_engine(cfg, spec) as generate:
-            records = regenerate_answers(cfg, records, tokenizer, generate, rejected)
+            records = regenerate_answers(cfg, records, tokenizer, generate, rejected, store, on_chunk)
     rows = {k: [] for k in CONV_SCHEMA.names}
     for rec in tqdm(records, desc="tokenize", unit="conv", disable=len(records) < 200):
         try:
@@ -312,6 +385,8 @@ def prepare(cfg, force: bool = False) -> PrepareSummary:
         "verifier": spec.model_identity, **tokenizer_identity(tokenizer), "created_at": time.time(),
     }
     storage.write_json_atomic(paths.fs, man_path, manifest)
+    if cfg.data.regenerate:
+        AnswerStore(paths, chash).clear()  # committed into the conversations now
     return PrepareSummary(samples=table.num_rows, tokens=tokens, loss_tokens=loss_tokens, seconds=time.time() - t0,
                           bytes_written=len(buf), regenerated=cfg.data.regenerate, rejected=rejected,
                           path=paths.uri + "/conversations")

@@ -53,11 +53,47 @@ def _replica_options(spec: VerifierSpec, num_cpus: float, resources: dict | None
 @serve.deployment(max_ongoing_requests=1, health_check_period_s=10, health_check_timeout_s=120,
                   graceful_shutdown_timeout_s=30)
 class VerifierDeployment:
-    """Serve wrapper around :class:`VerifierEngine` (methods forwarded unchanged)."""
+    """Serve wrapper around :class:`VerifierEngine` (methods forwarded unchanged), with a health check.
+
+    Serve calls :meth:`check_health` every 10 s; when it raises, Serve marks the replica unhealthy, stops it
+    and starts a replacement (the extraction client retries the unit; ``eagle3ray.extract.BlockWriter``). It
+    raises when the engine failed a call with anything but bad input (:class:`VerifierError`: a vLLM engine
+    that died inside a live replica would otherwise fail every later unit, and later jobs would reuse the broken
+    service), and when one call has run longer than ``EAGLE3RAY_ENGINE_HANG_S`` (default 1800 s: a hung engine).
+    """
 
     def __init__(self, spec: dict, pinned: bool = False):
+        import os
+
         self.engine = make_engine(spec)
         self.pinned = pinned
+        self.broken: str | None = None
+        self.busy_since: float | None = None
+        self.hang_s = float(os.environ.get("EAGLE3RAY_ENGINE_HANG_S", "1800"))
+
+    def _guarded(self, fn, *args):
+        from .verifier import VerifierError
+
+        if self.broken:
+            raise RuntimeError(f"verifier replica unhealthy, waiting for Serve to replace it: {self.broken}")
+        self.busy_since = time.time()
+        try:
+            return fn(*args)
+        except VerifierError:
+            raise  # bad input or a check on the output: the engine itself is fine
+        except Exception as e:
+            self.broken = f"{type(e).__name__}: {e}"[:500]
+            raise
+        finally:
+            self.busy_since = None
+
+    def check_health(self) -> None:
+        """Serve's health check (see the class docstring). Raises RuntimeError naming the cause."""
+        if self.broken:
+            raise RuntimeError(f"engine failed: {self.broken}")
+        if self.busy_since is not None and time.time() - self.busy_since > self.hang_s:
+            raise RuntimeError(f"engine call running for {time.time() - self.busy_since:.0f} s "
+                               f"> EAGLE3RAY_ENGINE_HANG_S {self.hang_s:.0f}: hung")
 
     def info(self) -> dict:
         """The engine's info plus where the replica runs (node id, placement group) and ``pinned``."""
@@ -66,11 +102,11 @@ class VerifierDeployment:
                 "placement_group": pg.id.hex() if pg is not None else None, "pinned": self.pinned}
 
     def extract(self, samples: list[dict], storage_dtype: str = "bfloat16") -> list[dict]:
-        return self.engine.extract(samples, storage_dtype)
+        return self._guarded(self.engine.extract, samples, storage_dtype)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  seed: int | None = None) -> list[dict]:
-        return self.engine.generate(prompts, max_new_tokens, temperature, seed)
+        return self._guarded(self.engine.generate, prompts, max_new_tokens, temperature, seed)
 
 
 def _running_apps() -> dict:

@@ -143,3 +143,62 @@ def test_changing_data_sets_the_old_conversations_and_their_blocks_aside(tmp_pat
         paths.sub("conversations.superseded-1"))
     assert prepare(make_cfg([p], "data.max_samples=4")).skipped  # the same settings again: nothing moves
     assert not paths.fs.exists(paths.sub("conversations.superseded-3"))
+
+
+def _chat_file(tmp_path, n):
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"tell me about number {i}"},
+                                                   {"role": "assistant", "content": "old"}]}) for i in range(n)))
+    return p
+
+
+@pytest.mark.slow
+def test_regeneration_survives_a_killed_engine_and_resumes_without_redoing_answers(ray_session, tmp_path, make_cfg):
+    """A real SIGKILL of the regeneration engine's process mid-run: its chunk is retried on a new engine. An
+    interrupted prepare resumes from the committed chunks, regenerating only the rest."""
+    import os
+    import signal
+
+    from ray.util.state import list_actors
+
+    from eagle3ray import storage
+    from eagle3ray.prepare import prepare
+    from eagle3ray.artifacts import read_conversations
+
+    args = ("data.regenerate=true", "data.regenerate_engine=dedicated", "data.max_new_tokens=6",
+            "verifier.max_num_seqs=2")
+    cfg = make_cfg([_chat_file(tmp_path, 6)], *args)
+    paths = storage.run_paths(cfg)
+    killed = []
+
+    def kill_engine_after_first_chunk(k, n):
+        if not killed:
+            (actor,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "ServingEngine"]
+            os.kill(actor.pid, signal.SIGKILL)
+            killed.append(actor.pid)
+
+    s = prepare(cfg, on_chunk=kill_engine_after_first_chunk)
+    assert killed and s.samples == 6
+    convs = read_conversations(paths)
+    assert len(convs) == 6 and not paths.fs.exists(f"{paths.conversations}/answers-")  # store cleared
+    assert not [f for f in paths.fs.ls(paths.conversations, detail=False) if "answers-" in f]
+
+    cfg2 = make_cfg([_chat_file(tmp_path, 6)], *args, "data.seed=1")  # other settings: a run of their own
+    paths2 = storage.run_paths(cfg2)
+    seen = []
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_after_two(k, n):
+        seen.append(n)
+        if len(seen) == 2:
+            raise Interrupted()
+
+    with pytest.raises(Interrupted):
+        prepare(cfg2, on_chunk=stop_after_two)
+    committed = [f for f in paths2.fs.find(paths2.conversations) if "/answers-" in f]
+    assert len(committed) == 2 and not paths2.fs.exists(f"{paths2.conversations}/manifest.json")
+    redone = []
+    s2 = prepare(cfg2, on_chunk=lambda k, n: redone.append(n))
+    assert s2.samples == 6 and sum(redone) == 2  # 4 answers were committed before the interruption

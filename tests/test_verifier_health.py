@@ -1,0 +1,61 @@
+"""The verifier replica's health check: a broken or hung engine fails it (Serve then replaces the replica)."""
+import threading
+import time
+
+import pytest
+
+from eagle3ray import verifier_service
+from eagle3ray.verifier import VerifierError
+
+
+class FakeEngine:
+    def __init__(self, fail=None, block: threading.Event | None = None):
+        self.fail, self.block = fail, block
+
+    def extract(self, samples, storage_dtype):
+        if self.block is not None:
+            self.block.wait(10)
+        if self.fail is not None:
+            raise self.fail
+        return [{"sample_id": s["sample_id"]} for s in samples]
+
+
+def replica(monkeypatch, engine, hang_s="1800"):
+    monkeypatch.setenv("EAGLE3RAY_ENGINE_HANG_S", hang_s)
+    monkeypatch.setattr(verifier_service, "make_engine", lambda spec: engine)
+    cls = verifier_service.VerifierDeployment.func_or_class
+    return cls({})
+
+
+def test_a_healthy_replica_passes_and_bad_input_keeps_it_healthy(monkeypatch):
+    r = replica(monkeypatch, FakeEngine())
+    assert r.extract([{"sample_id": "a"}]) == [{"sample_id": "a"}]
+    r.check_health()
+    r.engine.fail = VerifierError("sample a: 9000 tokens > max_model_len")
+    with pytest.raises(VerifierError):
+        r.extract([{"sample_id": "a"}])
+    r.check_health()  # the engine is fine; the input was not
+
+
+def test_an_engine_failure_fails_the_health_check_and_every_later_call(monkeypatch):
+    r = replica(monkeypatch, FakeEngine(fail=RuntimeError("EngineDeadError: EngineCore encountered an issue")))
+    with pytest.raises(RuntimeError):
+        r.extract([{"sample_id": "a"}])
+    with pytest.raises(RuntimeError, match="engine failed: RuntimeError: EngineDeadError"):
+        r.check_health()
+    r.engine.fail = None
+    with pytest.raises(RuntimeError, match="unhealthy, waiting for Serve to replace it"):
+        r.extract([{"sample_id": "b"}])  # no call reaches a broken engine
+
+
+def test_a_hung_call_fails_the_health_check(monkeypatch):
+    release = threading.Event()
+    r = replica(monkeypatch, FakeEngine(block=release), hang_s="0.2")
+    t = threading.Thread(target=r.extract, args=([{"sample_id": "a"}],))
+    t.start()
+    time.sleep(0.5)
+    with pytest.raises(RuntimeError, match="hung"):
+        r.check_health()
+    release.set()
+    t.join()
+    r.check_health()  # the call returned: healthy again
