@@ -304,6 +304,10 @@ def _storage_estimate(cfg, vtext: dict, n_layers: int, rep: PreflightReport, onl
         if not cfg.data.max_samples:
             rep.notes.append("data.max_samples is null: hidden-state storage not estimated")
             return
+        if cfg.data.max_samples == "plan":  # `eagle3ray check` plans first; a direct call may not have
+            rep.notes.append("data.max_samples is planned by run.time_budget and not planned yet "
+                             "(`eagle3ray plan`): hidden-state storage not estimated")
+            return
         tokens = cfg.data.max_samples * cfg.data.tokens_per_sample_estimate
         source = f"data.max_samples {cfg.data.max_samples} x data.tokens_per_sample_estimate " \
                  f"{cfg.data.tokens_per_sample_estimate}"
