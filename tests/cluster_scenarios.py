@@ -233,7 +233,8 @@ def node_kill(args) -> dict:
     scrape_errors: list = []
     alive_on: dict = {}  # node id -> seconds into extraction when a replica there was first seen ALIVE
     t0 = time.time()
-    threading.Thread(target=scraper, daemon=True).start()
+    scraping = threading.Thread(target=scraper, daemon=True)
+    scraping.start()
     s = extract(cfg, on_commit=on_commit, progress=False)
     extract_s = time.time() - t0
     # the pool re-grows on the node that joined: Serve replaces the dead replica once its health check
@@ -264,6 +265,7 @@ def node_kill(args) -> dict:
     tr = train(cfg)
     time.sleep(5)  # two report intervals: the last counter values reach the agent
     stop.set()
+    scraping.join(timeout=30)  # its Ray calls must end before ray.shutdown(), or one reconnects the driver
     result = {
         "prepared_samples": prep.samples, "prepared_ids": prepared_ids, "committed_ids": ids, "manifest_samples": man["counts"]["samples"],
         "manifest_tokens": man["counts"]["tokens"], "complete": man.get("complete"),
