@@ -357,9 +357,9 @@ def _cpu_model() -> str:
 
 # ------------------------------------------------------------------------------------------------ apply
 def plan_path(cfg) -> tuple[object, str]:
+    """(filesystem, path) of ``<run>/plan.json``, addressed like every other file of the run."""
     paths = storage.run_paths(cfg)
-    return paths.fs, f"{paths.uri.rstrip('/')}/{PLAN_FILE}" if not storage.is_local(paths.fs) \
-        else os.path.join(paths.root, PLAN_FILE)
+    return paths.fs, paths.sub(PLAN_FILE)
 
 
 def read_plan(cfg) -> dict | None:
