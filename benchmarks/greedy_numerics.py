@@ -32,7 +32,7 @@ def main() -> None:
 
     cfg = load_config(a.config, a.overrides)
     spec, v, vc = VerifierSpec.from_config(cfg), cfg.verifier, cfg.validation
-    prompts, name = eval_prompt_ids(spec.model_path, vc.eval, vc.max_prompts)
+    prompts, name, _ = eval_prompt_ids(spec.model_path, vc.eval, vc.max_prompts, vc.balance_categories)
     for dtype in a.dtypes.split(","):
         outs = {}
         for seqs in (vc.max_num_seqs, a.small_batch):

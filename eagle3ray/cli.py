@@ -116,6 +116,17 @@ def _print_plan(plan: dict, fresh: bool) -> None:
     print(render(plan, fresh))
 
 
+def _gate_failed(e) -> None:
+    """Say why a validate stage failed (the acceptance gate) and where its report is; other stages' failures
+    were rendered in full already."""
+    if e.stage != "validate":
+        return
+    r = e.summary
+    console.print(f"[red]acceptance gate failed:[/red] mean acceptance length {r['mean_acceptance_length']:.3f} "
+                  f"< validation.min_acceptance_length {r['gate']['min_acceptance_length']}; report: "
+                  f"{r.get('report_path', 'reports/validate.json')}", soft_wrap=True)
+
+
 def _stage_command(config, overrides, name: str, progress: bool = True) -> None:
     """Run one stage with the stages it needs first (each skipped when done), printing every summary."""
     from .pipeline import StageFailed, run_stage
@@ -126,7 +137,8 @@ def _stage_command(config, overrides, name: str, progress: bool = True) -> None:
     try:
         run_stage(cfg, name, with_needs=True, progress=progress, on_plan=_show_plan,
                   on_stage=lambda ev, _n, summary, _s: _render(summary) if ev == "end" else None)
-    except StageFailed:
+    except StageFailed as e:
+        _gate_failed(e)
         raise typer.Exit(1) from None
     except PlanChanged as e:
         console.print(f"[red]error:[/red] {e}", soft_wrap=True)
@@ -275,13 +287,22 @@ def plan(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ov
 
 
 @app.command()
-def validate(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+def validate(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+             draft: Optional[list[str]] = typer.Option(
+                 None, "--draft", help="Another exported draft folder (same verifier) to validate beside the run's, "
+                 "on the same prompts and settings; repeatable (= validation.reference_drafts).")):
     """Serve the exported draft in vLLM (eagle3) and without it on held-out prompts; write reports/validate.json.
 
-    Reports mean acceptance length, acceptance per position, tokens/s with and without the draft,
-    the speedup, and whether greedy outputs are identical (at validation.greedy_check_dtype when it is
-    set: bf16 on CPU is not batch-invariant). A PNG plot sits beside the JSON.
+    Reports mean acceptance length, acceptance per position and by category (MT-Bench's 8), at each of
+    validation.temperatures, tokens/s with and without the draft, the speedup, and whether greedy outputs are
+    identical at temperature 0 (at validation.greedy_check_dtype when it is set: bf16 on CPU is not
+    batch-invariant). A PNG plot sits beside the JSON. With validation.min_acceptance_length set, exits 1
+    when the draft scores below it (after writing the report). Example:
+
+        eagle3ray validate "validation.temperatures=[0.0,0.7]" --draft runs/older/export
     """
+    if draft:
+        overrides = [*(overrides or []), f"validation.reference_drafts={json.dumps(list(draft))}"]
     _stage_command(config, overrides, "validate")
 
 
@@ -316,7 +337,8 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
 
     try:
         result = run_pipeline(cfg, progress=not no_progress, on_stage=show, on_plan=_show_plan)
-    except StageFailed:
+    except StageFailed as e:
+        _gate_failed(e)
         raise typer.Exit(1) from None
     except PlanChanged as e:
         console.print(f"[red]error:[/red] {e}", soft_wrap=True)

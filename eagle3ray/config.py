@@ -323,12 +323,36 @@ class TrainSection(_Strict):
 class ValidateSection(_Strict):
     """Serving validation (stage `validate`): vLLM with the exported draft vs without, on held-out prompts."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_temperature(cls, data: Any) -> Any:
+        """``temperature: T`` (before 0.3) is read as ``temperatures: [T]``, with a warning; it wins over a
+        ``temperatures`` also given (``validation.temperature=0.7`` on the command line, as older docs wrote it)."""
+        if isinstance(data, dict) and "temperature" in data:
+            log.warning("config: validation.temperature is deprecated, read as validation.temperatures: [%s]",
+                        data["temperature"])
+            data = {**{k: v for k, v in data.items() if k != "temperature"}, "temperatures": [data["temperature"]]}
+        return data
+
     eval: list[SourceSpec] = Field(default_factory=lambda: [SourceSpec(kind="mtbench")],
                                    description="Held-out prompts (first user turns); mtbench or chat files.")
     max_prompts: int = Field(40, ge=1, description="Held-out prompts decoded with and without the draft.")
     num_speculative_tokens: int = Field(3, ge=1, description="k draft tokens per step.")
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per validation prompt.")
-    temperature: float = Field(0.0, ge=0, description="0 = greedy; greedy outputs must match without the draft.")
+    temperatures: list[Annotated[float, Field(ge=0)]] = Field(
+        default_factory=lambda: [0.0], min_length=1,
+        description="Sampling temperatures validated, each with and without the draft (0 = greedy: greedy outputs "
+        "must match without the draft; the check applies at 0 only). The first is the headline figure and the "
+        "one `min_acceptance_length` gates. `temperature: T` (before 0.3) is read as `[T]`.")
+    balance_categories: bool = Field(
+        True, description="Take the prompts round-robin over the eval set's categories (MT-Bench: 8, in file order), "
+        "so `max_prompts: 40` covers every category with 5; false = the first max_prompts in file order.")
+    min_acceptance_length: float | None = Field(
+        None, ge=1, description="Acceptance gate: `validate` and `run` exit 1 (after writing the report) when the "
+        "draft's mean acceptance length at the first temperature is below this. null = no gate.")
+    reference_drafts: list[str] = Field(
+        default_factory=list, description="Other speculators-format draft folders (for the same verifier) validated "
+        "on the same prompts and settings, shown beside the run's draft in the report (`validate --draft DIR`).")
     max_num_seqs: int = Field(40, ge=1, description="Sequences in flight (same for both engines).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         None, description="Compute dtype of the engines that measure acceptance and speed; null = verifier.dtype.")

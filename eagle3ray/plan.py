@@ -136,10 +136,13 @@ def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
     from .machine import resolve_dtype
 
     dtype = resolve_dtype(vc.dtype or v.dtype, v.device)
-    pairs = 2 if vc.temperature == 0 and resolve_dtype(vc.greedy_check_dtype or dtype, v.device) != dtype else 1
+    check = 0.0 in vc.temperatures and resolve_dtype(vc.greedy_check_dtype or dtype, v.device) != dtype
     gen = vc.max_prompts * vc.max_new_tokens / (rates.val_decode_tok_s * o["val_decode_efficiency"])
     engine = 2 * load + o["engine_actor_s"]
-    validate = o["validate_fixed_s"] + pairs * (2 * engine + gen * (1 + o["spec_slowdown"]))
+    drafts = 1 + len(vc.reference_drafts)  # each draft's engine decodes at every temperature; so does the baseline
+    pair = 2 * engine + gen * (1 + o["spec_slowdown"])  # one engine with the draft, one without, at one temperature
+    validate = o["validate_fixed_s"] + (drafts + 1) * engine + len(vc.temperatures) * gen * (
+        1 + drafts * o["spec_slowdown"]) + (pair if check else 0.0)
     return {"prepare": prepare, "extract": extract, "vocab": o["vocab_s"], "train": train, "export": export,
             "check": 2.0, "validate": validate}
 

@@ -104,6 +104,8 @@ class ServingEngine:
         if draft_dir:
             kwargs["speculative_config"] = {"method": "eagle3", "model": draft_dir,
                                             "num_speculative_tokens": num_speculative_tokens}
+            # each finished request carries its own histogram of accepted drafts (acceptance by category)
+            kwargs["per_request_spec_decode_metrics"] = "summary"
         opts = cpu_engine_options(device, tensor_parallel_size, cpu_threads)
         kwargs.update(opts)
         self._threads = engine_threads(opts)
@@ -114,7 +116,14 @@ class ServingEngine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0) -> dict:
-        """Decode; returns {"outputs": [[token ids]], "texts": [...], "seconds", "output_tokens"}."""
+        """Decode ``prompts`` (token ids) at ``temperature`` (0 = greedy), ``max_new_tokens`` each.
+
+        Returns:
+            {"outputs": [[token ids]], "texts": [...], "seconds" (wall time of the whole batch), "output_tokens",
+            "accept_histograms": [[drafts that had j of k tokens accepted, j = 0..k] per request] (a draft
+            engine; [] without one)}: vLLM's per-request ``RequestSpecDecodeMetrics`` summary, whose sums
+            over the requests equal :meth:`spec_counters`' increments (the validate stage checks it).
+        """
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed)
@@ -123,8 +132,13 @@ class ServingEngine:
         outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], sp, use_tqdm=False)
         dt = time.time() - t0
         ids = [list(o.outputs[0].token_ids) for o in outs]
+        hists = []
+        if self.k:
+            for o in outs:
+                m = o.outputs[0].spec_decode_metrics
+                hists.append(list(m.histogram) if m is not None else [0] * (self.k + 1))
         return {"outputs": ids, "texts": [o.outputs[0].text for o in outs], "seconds": dt,
-                "output_tokens": sum(len(i) for i in ids)}
+                "output_tokens": sum(len(i) for i in ids), "accept_histograms": hists}
 
     def cpu_fix_status(self) -> str:
         """What :func:`eagle3ray.vllm_cpu_fixes.apply` did in this engine's process (``applied``,
@@ -146,6 +160,27 @@ class ServingEngine:
                 vals = list(getattr(m, "values", []))
                 out["accepted_per_pos"] = [int(v) for v in vals]
         return out
+
+
+def counters_delta(after: dict, before: dict) -> dict:
+    """``after - before`` of two :meth:`ServingEngine.spec_counters` readings (one generate call's counts)."""
+    return {"drafts": after["drafts"] - before["drafts"], "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+            "accepted": after["accepted"] - before["accepted"],
+            "accepted_per_pos": [a - b for a, b in zip(after["accepted_per_pos"],
+                                                       before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"]))]}
+
+
+def histogram_counters(histograms: list[list[int]], k: int) -> dict:
+    """Counters in :meth:`ServingEngine.spec_counters`' form from per-request acceptance histograms.
+
+    ``histograms[r][j]``: request r's drafts with exactly j of k draft tokens accepted. Acceptance stops at the
+    first rejected token (vLLM's rejection sampler), so position i (0-based) was accepted in every draft with
+    j > i: ``accepted_per_pos[i] = sum_{j > i} h[j]``; ``accepted = sum_j j h[j]``; ``drafts = sum_j h[j]``.
+    ``draft_tokens`` is k per draft (vLLM's own count can be lower where a request ends mid-draft).
+    """
+    h = [sum(col) for col in zip(*histograms)] if histograms else [0] * (k + 1)
+    return {"drafts": sum(h), "draft_tokens": k * sum(h), "accepted": sum(j * c for j, c in enumerate(h)),
+            "accepted_per_pos": [sum(h[i + 1:]) for i in range(k)]}
 
 
 def acceptance(counters: dict) -> dict:

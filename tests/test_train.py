@@ -241,3 +241,46 @@ def test_run_after_interruption_skips_finished_stages_and_validates(trained):
     assert "greedy outputs identical (float32)" in out
     with paths.fs.open(f"{paths.sub('reports')}/validate.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_validate_by_category_and_temperature_with_a_reference_draft_and_a_gate(trained, tmp_path):
+    """One report: 8 MT-Bench categories, temperatures 0 and 0.7, a second draft beside the run's; a gate above
+    the draft's score exits 1 and leaves the report; a gate below it passes on the stored report."""
+    from typer.testing import CliRunner
+
+    from eagle3ray.cli import app
+
+    cfg, _, _, cfg_path = trained
+    paths = storage.run_paths(cfg)
+    ref = tmp_path / "older" / "export"
+    shutil.copytree(paths.sub("export"), ref)  # the same weights: at T=0 it must score exactly the same
+    args = ["validate", "-c", cfg_path, "validation.max_prompts=8", "validation.max_new_tokens=16",
+            "validation.max_num_seqs=8", "validation.temperatures=[0.0,0.7]"]
+    r = CliRunner().invoke(app, [*args, "validation.min_acceptance_length=4.0", "--draft", str(ref)])
+    assert r.exit_code == 1, r.output
+    assert "acceptance gate failed" in r.output and "< validation.min_acceptance_length 4.0" in r.output
+    rep = storage.read_json(paths.fs, f"{paths.sub('reports')}/validate.json")
+    assert rep["gate"] == {"min_acceptance_length": 4.0, "passed": False, "temperature": 0.0}
+    assert [t["temperature"] for t in rep["temperatures"]] == [0.0, 0.7]
+    cats = rep["by_category"]
+    assert list(cats) == ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+    assert all(c["num_prompts"] == 1 for c in cats.values())
+    # per-request histograms add up to vLLM's counters (validate checks it too) at every temperature
+    for t in rep["temperatures"]:
+        assert sum(c["num_drafts"] for c in t["by_category"].values()) == t["num_drafts"] > 0
+        assert t["mean_acceptance_length"] == pytest.approx(1 + sum(t["acceptance_per_position"]))
+    assert rep["temperatures"][0]["greedy_identical"] == "8/8" and rep["temperatures"][1]["greedy_identical"] \
+        .startswith("n/a")
+    from eagle3ray.vllm_cpu_fixes import APPLIED
+
+    assert rep["vllm_cpu_expand_fix"] == APPLIED or rep["vllm_cpu_expand_fix"].startswith("not needed")
+    (older,) = rep["reference_drafts"]
+    assert older["path"] == str(ref) and older["label"].startswith("older step ")
+    assert older["temperatures"][0]["mean_acceptance_length"] == rep["mean_acceptance_length"]
+    assert older["temperatures"][0]["by_category"] == rep["by_category"]
+    assert "reference draft older step" in r.output
+    with paths.fs.open(f"{paths.sub('reports')}/validate.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    again = CliRunner().invoke(app, [*args, "validation.min_acceptance_length=1.0", "--draft", str(ref)])
+    assert again.exit_code == 0, again.output
+    assert "already validated: skipped" in again.output and "passed: " in again.output
