@@ -145,7 +145,8 @@ def to_storage_bytes(states, storage_dtype: str) -> bytes:
         x = states.float().contiguous()  # shape: [T, L, H]
         scale = x.abs().amax(dim=-1) / FP8_E4M3_MAX  # shape: [T, L]
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: 0 / 1 = 0
-        # the cast rounds to nearest and does not saturate: clamp the rounding of amax / scale to 448
+        # |x / scale| <= 448 up to rounding, which the cast rounds back to 448; only an amax so small that amax / 448
+        # is a float32 subnormal goes past 464, where torch's cast paths differ (NaN or saturation): clamp
         q = (x / safe[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
         return q.view(torch.uint8).numpy().tobytes() + scale.numpy().astype("<f4").tobytes()
     t = states.to(getattr(torch, storage_dtype)).contiguous()
