@@ -23,7 +23,8 @@ bits, no infinities, largest finite 448) is scaled per token and layer: ``scale[
 (0 for an all-zero row, whose values are then all 0), the T*L*H bytes of ``x / scale`` in e4m3 come first, then
 the T*L float32 scales, so a row holds T*L*(H + 4) bytes (:func:`bytes_per_token`) and decodes as
 ``value * scale``. Blocks of the other dtypes are byte for byte what they were before float8_e4m3 existed.
-Parquet's zstd is the only encoding on top: ``benchmarks/block_codec.py`` measures the alternatives (docs/results.md).
+Nothing but ``extract.compression`` (Parquet's zstd by default) is applied on top: ``benchmarks/block_codec.py``
+measured the alternatives, Parquet's BYTE_STREAM_SPLIT among them (docs/results.md).
 
 ``hidden_states/manifest.json`` lists the committed blocks (path relative to ``hidden_states/``,
 rows, tokens, bytes, sha256, and the block's sample ids). A file under ``blocks/`` that the manifest does not
