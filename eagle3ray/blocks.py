@@ -8,15 +8,23 @@ column          type           meaning
 sample_id       string         unique id of the conversation (``<source>:<record id>``)
 input_ids       list<int32>    T token ids (verifier tokenizer, chat template applied)
 loss_mask       list<int8>     T flags, 1 on assistant-answer tokens
-hidden_states   large_binary   [T, L, H] array, little-endian, dtype ``hs_dtype``, C order
+hidden_states   large_binary   [T, L, H] array, little-endian, dtype ``hs_dtype``, C order (float8_e4m3:
+                               followed by its [T, L] float32 scales, see below)
 seq_len         int32          T
 num_layers      int32          L = len(manifest.layer_ids) (aux layers + final pre-norm)
 hidden_size     int32          H
-hs_dtype        string         bfloat16 | float16 | float32
+hs_dtype        string         bfloat16 | float16 | float32 | float8_e4m3
 =============== ============== ==========================================================
 
 The ``hidden_states`` bytes are written by :func:`to_storage_bytes` and read by :func:`from_storage_bytes`
-(:func:`decode_states` for a row): raw little-endian values, bfloat16 as its upper 16 bits of float32.
+(:func:`decode_states` for a row), which returns float32 [T, L, H] whatever the dtype: raw little-endian values,
+bfloat16 as its upper 16 bits of float32. ``float8_e4m3`` (torch's ``float8_e4m3fn``: 4 exponent bits, 3 mantissa
+bits, no infinities, largest finite 448) is scaled per token and layer: ``scale[t, l] = amax(|x[t, l, :]|) / 448``
+(0 for an all-zero row, whose values are then all 0), the T*L*H bytes of ``x / scale`` in e4m3 come first, then
+the T*L float32 scales, so a row holds T*L*(H + 4) bytes (:func:`bytes_per_token`) and decodes as
+``value * scale``. Blocks of the other dtypes are byte for byte what they were before float8_e4m3 existed.
+Nothing but ``extract.compression`` (Parquet's zstd by default) is applied on top: ``benchmarks/block_codec.py``
+measured the alternatives, Parquet's BYTE_STREAM_SPLIT among them (docs/results.md).
 
 ``hidden_states/manifest.json`` lists the committed blocks (path relative to ``hidden_states/``,
 rows, tokens, bytes, sha256, and the block's sample ids). A file under ``blocks/`` that the manifest does not
@@ -48,7 +56,12 @@ from . import storage
 
 SCHEMA_VERSION = 1
 #: dtypes a block's ``hidden_states`` may be stored in (``extract.storage_dtype``).
-STORAGE_DTYPES = ("bfloat16", "float16", "float32")
+STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3")
+#: Bytes per stored value of each storage dtype (float8_e4m3 adds a float32 scale per token and layer).
+VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
+#: The largest finite float8_e4m3fn value (S.1111.110 = 1.75 x 2^8; S.1111.111 is NaN, there is no infinity):
+#: a row scaled by amax / 448 uses the whole range.
+FP8_E4M3_MAX = 448.0
 #: The fields of one committed block in ``manifest["blocks"]`` (and ``sample_ids``, the ids in block order).
 ENTRY_FIELDS = ("path", "rows", "tokens", "bytes", "sha256")
 #: The commit log's folder under ``hidden_states/``: one ``<seq>.json`` file per commit since the snapshot.
@@ -116,18 +129,60 @@ def verify_block(fs, hs_root: str, entry: dict, sha256: bool = True) -> str | No
     return None
 
 
+def bytes_per_token(num_layers: int, hidden_size: int, storage_dtype: str) -> int:
+    """Bytes of one token's states in a row's ``hidden_states`` before compression: L x H values of
+    ``storage_dtype``, plus L float32 scales for float8_e4m3 (4 x 576 bf16: 4608; fp8: 2304 + 16 = 2320)."""
+    scales = 4 * num_layers if storage_dtype == "float8_e4m3" else 0
+    return num_layers * hidden_size * VALUE_BYTES[storage_dtype] + scales
+
+
 def to_storage_bytes(states, storage_dtype: str) -> bytes:
-    """Encode a torch tensor [T, L, H] as raw little-endian bytes of ``storage_dtype``."""
+    """Encode a torch tensor [T, L, H] (finite: the verifier rejects NaN/Inf) as the bytes of a row's
+    ``hidden_states``: raw little-endian values of ``storage_dtype``; for float8_e4m3 the scaled e4m3 values
+    then the [T, L] float32 scales (module docstring)."""
     import torch
 
+    if storage_dtype == "float8_e4m3":
+        x = states.float().contiguous()  # shape: [T, L, H]
+        scale = x.abs().amax(dim=-1) / FP8_E4M3_MAX  # shape: [T, L]
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: 0 / 1 = 0
+        # |x / scale| <= 448 up to rounding, which the cast rounds back to 448; only an amax so small that amax / 448
+        # is a float32 subnormal goes past 464, where torch's cast paths differ (NaN or saturation): clamp
+        q = (x / safe[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return q.view(torch.uint8).numpy().tobytes() + scale.numpy().astype("<f4").tobytes()
     t = states.to(getattr(torch, storage_dtype)).contiguous()
     if storage_dtype == "bfloat16":
         return t.view(torch.int16).numpy().tobytes()
     return t.numpy().tobytes()
 
 
+def _e4m3fn_values() -> np.ndarray:
+    """float32 [256]: the value of each float8_e4m3fn byte (sign, 4 exponent bits with bias 7, 3 mantissa bits;
+    exponent 0 is subnormal, S.1111.111 is NaN), so decoding is one table lookup and needs no torch."""
+    b = np.arange(256)
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    mag = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7))
+    mag[(exp == 15) & (man == 7)] = np.nan
+    return np.where(b & 0x80, -mag, mag).astype(np.float32)
+
+
+_E4M3FN = _e4m3fn_values()
+
+
 def from_storage_bytes(buf: bytes, shape, storage_dtype: str):
-    """Decode bytes written by :func:`to_storage_bytes` into a float32 numpy array of ``shape``."""
+    """Decode bytes written by :func:`to_storage_bytes` into a float32 numpy array of ``shape`` [T, L, H].
+
+    Raises:
+        ValueError: the bytes are not ``shape`` in ``storage_dtype`` (float8_e4m3: T*L*(H + 4) bytes).
+    """
+    if storage_dtype == "float8_e4m3":
+        T, L, H = shape
+        if len(buf) != T * L * (H + 4):
+            raise ValueError(f"float8_e4m3 states of shape {tuple(shape)} need {T * L * (H + 4)} bytes "
+                             f"({T * L * H} values + {T * L} float32 scales), got {len(buf)}")
+        q = np.frombuffer(buf, dtype=np.uint8, count=T * L * H).reshape(T, L, H)
+        scale = np.frombuffer(buf, dtype="<f4", offset=T * L * H).reshape(T, L, 1)
+        return _E4M3FN[q] * scale
     if storage_dtype == "bfloat16":
         raw = np.frombuffer(buf, dtype=np.uint16).astype(np.uint32) << 16
         return raw.view(np.float32).reshape(shape)

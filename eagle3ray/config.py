@@ -220,8 +220,10 @@ class ExtractSection(_Strict):
     min_replicas: int = Field(1, ge=1, description="Verifier service replicas kept for extraction (Serve "
                               "autoscaling floor; the Ray Data pool that feeds them has as many writers).")
     max_replicas: int = Field(1, ge=1, description="Verifier service replicas at most (autoscaled from queued work).")
-    storage_dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="dtype of the hidden states stored in the blocks (bytes per value: 2, 2, 4).")
+    storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = Field(
+        "bfloat16", description="dtype of the hidden states stored in the blocks (bytes per value: 2, 2, 4; "
+        "float8_e4m3: 1, plus a float32 scale amax/448 per token and layer, about half of bfloat16; "
+        "measured sizes and error: docs/results.md, benchmarks/block_codec.py).")
     compression: Literal["zstd", "snappy", "none"] = Field("zstd", description="Parquet compression of the blocks.")
     tmp_dir: str = Field("/dev/shm", description="Scratch directory of the engine's hidden-state connector.")
     max_unit_retries: int = Field(

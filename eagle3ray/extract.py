@@ -43,6 +43,8 @@ class ExtractSummary:
     blocks: int = 0
     total_samples: int = 0  # committed overall
     total_tokens: int = 0
+    total_bytes: int = 0  # of the committed block files, overall (manifest counts.bytes)
+    storage_dtype: str = ""
     resumed_from: int = 0  # samples already committed when this run started
     orphans_removed: int = 0
     skipped: bool = False
@@ -55,6 +57,19 @@ class ExtractSummary:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes on storage per token of the committed blocks (the manifest's block bytes / its tokens: states,
+        ids, loss mask and Parquet overhead after compression); 0 before anything is committed."""
+        return self.total_bytes / self.total_tokens if self.total_tokens else 0.0
+
+    def set_totals(self, manifest: blocks.Manifest) -> None:
+        """The overall counts from the manifest (samples, tokens, bytes, dtype, rejected records)."""
+        c = manifest.counts
+        self.total_samples, self.total_tokens, self.total_bytes = c["samples"], c["tokens"], c["bytes"]
+        self.storage_dtype = manifest.data.get("dtype", "")
+        self.rejected = manifest.data["rejected"]
 
     @property
     def title(self) -> str:
@@ -70,10 +85,14 @@ class ExtractSummary:
                 ("samples already committed (resumed)", self.resumed_from),
                 ("orphan blocks removed (start / end)", f"{self.orphans_removed} / {self.orphans_removed_end}"),
                 ("unit retries (replica failures)", self.retries), ("samples in manifest", self.total_samples),
-                ("tokens in manifest", self.total_tokens), ("output", self.path)]
+                ("tokens in manifest", self.total_tokens),
+                (f"bytes/token on storage ({self.storage_dtype}; manifest bytes / tokens)",
+                 f"{self.bytes_per_token:,.0f}"),
+                ("output", self.path)]
 
     def headline(self) -> str:
-        return (f"extract: {self.total_samples} samples, {self.total_tokens} tokens in the manifest"
+        return (f"extract: {self.total_samples} samples, {self.total_tokens} tokens in the manifest, "
+                f"{self.bytes_per_token:,.0f} B/token on storage ({self.storage_dtype})"
                 + (" (already complete)" if self.skipped else f", {self.tokens_per_s:.0f} tok/s this run"))
 
     @property
@@ -307,8 +326,7 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
     summary = ExtractSummary(path=paths.uri + "/hidden_states")
     if manifest.complete:
         summary.skipped = True
-        summary.total_samples, summary.total_tokens = manifest.counts["samples"], manifest.counts["tokens"]
-        summary.rejected = manifest.data["rejected"]
+        summary.set_totals(manifest)
         return summary
     summary.orphans_removed = manifest.remove_orphans()
     done = manifest.committed_ids()
@@ -337,6 +355,5 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
 
     manifest.finish(spec.model_identity["vocab_size"], rejected.to_json(), summary.retries)
     summary.wall_seconds = time.time() - t_start
-    summary.total_samples, summary.total_tokens = manifest.counts["samples"], manifest.counts["tokens"]
-    summary.rejected = manifest.data["rejected"]
+    summary.set_totals(manifest)
     return summary

@@ -15,9 +15,11 @@
    prefill activations with hidden-state capture + a fixed runtime overhead, against
    ``verifier.gpu_memory_gib * verifier.gpu_memory_utilization``. On failure it names the largest
    ``extract.max_tokens_per_batch`` that fits.
-4. **Hidden-state storage**: tokens x (aux layers + 1) x hidden x bytes of ``extract.storage_dtype``
-   against ``extract.max_storage_gib``. Tokens come from the run's conversations manifest when prepare has
-   run, else ``data.max_samples x data.tokens_per_sample_estimate``.
+4. **Hidden-state storage**: tokens x raw bytes per token of ``extract.storage_dtype``
+   (:func:`eagle3ray.blocks.bytes_per_token`: (aux layers + 1) x hidden x bytes per value, + a float32 scale
+   per layer for float8_e4m3) against ``extract.max_storage_gib``, and an estimate of what the blocks will
+   hold after ``extract.compression`` (raw x :data:`STORED_RATIO`, measured). Tokens come from the run's
+   conversations manifest when prepare has run, else ``data.max_samples x data.tokens_per_sample_estimate``.
 5. **Ray resources** the plan needs (verifier replicas as STRICT_PACK groups of TP GPUs, training
    workers) against what the cluster offers, when connected.
 
@@ -32,6 +34,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from .blocks import VALUE_BYTES, bytes_per_token
 from .machine import cpu_bf16_is_fast
 from .draft import (DRAFT_LAYER_TYPES, draft_config_dict, expected_shapes, read_config_json, resolve_head_dim,
                     resolve_layer_ids, text_config)
@@ -40,7 +43,21 @@ GIB = 1024**3
 #: CUDA context, NCCL buffers, CUDA-graph pool, allocator slack per GPU (GiB). Measured values on H100s with
 #: vLLM are 1.5-3 GiB; 3 is the conservative end.
 RUNTIME_OVERHEAD_GIB = 3.0
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # compute dtypes (weights, KV cache, activations)
+#: Block file bytes over the raw states (:func:`eagle3ray.blocks.bytes_per_token`) per (extract.storage_dtype,
+#: extract.compression), input ids, loss mask and Parquet overhead included: measured by
+#: ``benchmarks/block_codec.py`` on 8,989 tokens of SmolLM2-135M states (ShareGPT, 4 layers x 576; docs/results.md).
+#: Another model's states may compress otherwise, so ``check`` labels the product an estimate and holds
+#: ``extract.max_storage_gib`` against the raw size.
+STORED_RATIO = {
+    ("bfloat16", "zstd"): 0.797, ("float16", "zstd"): 0.784, ("float32", "zstd"): 0.508,
+    ("float8_e4m3", "zstd"): 0.772,
+    ("bfloat16", "snappy"): 1.001, ("float16", "snappy"): 1.001, ("float32", "snappy"): 0.740,
+    ("float8_e4m3", "snappy"): 1.001,
+    ("bfloat16", "none"): 1.001, ("float16", "none"): 1.001, ("float32", "none"): 1.000,
+    ("float8_e4m3", "none"): 1.001,
+}
+STORED_RATIO_SOURCE = "benchmarks/block_codec.py on SmolLM2-135M states (docs/results.md)"
 
 
 class PreflightError(ValueError):
@@ -311,15 +328,20 @@ def _storage_estimate(cfg, vtext: dict, n_layers: int, rep: PreflightReport, onl
         tokens = cfg.data.max_samples * cfg.data.tokens_per_sample_estimate
         source = f"data.max_samples {cfg.data.max_samples} x data.tokens_per_sample_estimate " \
                  f"{cfg.data.tokens_per_sample_estimate}"
-    per_token = n_layers * vtext["hidden_size"] * _BYTES[cfg.extract.storage_dtype]
+    dtype, H = cfg.extract.storage_dtype, vtext["hidden_size"]
+    per_token = bytes_per_token(n_layers, H, dtype)
+    raw = f"{n_layers} layers x {H} x {VALUE_BYTES[dtype]} B" + (
+        f" + {n_layers} x 4 B scales" if dtype == "float8_e4m3" else "")
     gib = tokens * per_token / GIB
-    rep.storage = {"tokens": tokens, "tokens_from": source, "bytes_per_token": per_token, "gib": gib,
-                   "limit_gib": cfg.extract.max_storage_gib}
+    ratio = STORED_RATIO[(dtype, cfg.extract.compression)]
+    rep.storage = {"tokens": tokens, "tokens_from": source, "storage_dtype": dtype, "bytes_per_token": per_token,
+                   "bytes_per_token_from": raw, "gib": gib, "limit_gib": cfg.extract.max_storage_gib,
+                   "compression": cfg.extract.compression, "est_ratio": ratio, "est_ratio_from": STORED_RATIO_SOURCE,
+                   "est_bytes_per_token": per_token * ratio, "est_gib": gib * ratio}
     if cfg.extract.max_storage_gib is not None and gib > cfg.extract.max_storage_gib:
         fit = int(cfg.extract.max_storage_gib * GIB / per_token)
         rep.problems.append(f"extract.max_storage_gib {cfg.extract.max_storage_gib}: hidden states need {gib:,.1f} GiB "
-                            f"({tokens:,} tokens x {n_layers} layers x {vtext['hidden_size']} x "
-                            f"{_BYTES[cfg.extract.storage_dtype]} B); the limit holds {fit:,} tokens")
+                            f"({tokens:,} tokens x {raw}, before compression); the limit holds {fit:,} tokens")
 
 
 def required_resources(cfg) -> dict:
@@ -520,8 +542,11 @@ def render(rep: PreflightReport) -> str:
     s = rep.storage
     if s:
         lim = f" (limit {s['limit_gib']} GiB)" if s.get("limit_gib") is not None else ""
-        lines.append(f"  storage    hidden states ~{s['gib']:,.1f} GiB{lim} for {s['tokens']:,} tokens "
-                     f"({s['bytes_per_token']:,} B/token; tokens from {s['tokens_from']})")
+        lines.append(f"  storage    hidden states {s['storage_dtype']} {s['gib']:,.1f} GiB raw{lim} for "
+                     f"{s['tokens']:,} tokens ({s['bytes_per_token']:,} B/token = {s['bytes_per_token_from']}; tokens from "
+                     f"{s['tokens_from']}); estimated on storage with {s['compression']}: ~{s['est_gib']:,.1f} GiB, "
+                     f"~{s['est_bytes_per_token']:,.0f} B/token (raw x {s['est_ratio']}, measured by "
+                     f"{s['est_ratio_from']})")
     r = rep.resources.get("required", {})
     if r:
         lines.append(f"  resources  verifier replica {r['verifier_replica']} x {r['min_replicas']}..{r['max_replicas']}"
