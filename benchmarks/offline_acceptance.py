@@ -24,7 +24,18 @@ extract them in a run of their own (regenerated greedily, no held-out filter):
         verifier.max_num_seqs=40
     .venv/bin/python benchmarks/offline_acceptance.py run.name=smollm2-135m-cpu --blocks runs/mtdev -k 3
 
-MT-Bench prompts 0:40 are the ones validate uses; 40:80 make a development set that validate never sees.
+MT-Bench prompts 0:40 are the ones validate uses (balanced over the categories, as validate takes them);
+40:80 make a development set that validate never sees.
+
+At a temperature T > 0 (``--temperature``) acceptance follows vLLM's rule for a greedy draft (its rejection
+sampler treats the draft's distribution as one-hot): draft token x at a position is accepted with the
+verifier's probability p_T(x) = softmax(logits / T)[x], and a proposal stops at its first rejection. The
+verifier's logits come from the blocks' final pre-norm states through the verifier's own final norm and LM head
+(transformers, the same weights). The approximation: both the draft's proposals and the verifier's
+distributions are taken along the block's greedy answer (teacher-forced, as in training), where vLLM's
+sampled answers wander off it. Reported: the expected acceptance over every answer position
+(``all_positions_mean``, exact under that approximation) and a Monte Carlo walk that advances by the sampled
+acceptance + 1 as vLLM does (``mean_acceptance_length``, 16 seeds). At T = 0 both reduce to the greedy replay.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ def write_prompts(path: str, cfg, span: str) -> None:
     from eagle3ray.sources import first_turn_prompts
 
     lo, hi = (int(x) for x in span.split(":"))
-    convs, _ = first_turn_prompts(cfg.validation.eval, hi)
+    convs = first_turn_prompts(cfg.validation.eval, hi, cfg.validation.balance_categories).convs
     with open(path, "w") as f:
         for i, c in enumerate(convs[lo:hi]):
             # the placeholder answer is replaced by the verifier's own (data.regenerate)
@@ -46,8 +57,24 @@ def write_prompts(path: str, cfg, span: str) -> None:
     print(f"wrote {hi - lo} prompts to {path}")
 
 
-def simulate(cfg, blocks_root: str, k: int, checkpoint: str | None = None) -> dict:
-    """Greedy speculative decoding replayed offline; see the module docstring. Returns the figures."""
+def verifier_head(model_path: str):
+    """The verifier's final norm and LM head (transformers): final pre-norm states [T, H] -> logits [T, V]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    norm, head = m.model.norm, m.get_output_embeddings()
+
+    def logits(h):
+        with torch.no_grad():
+            return head(norm(h.float()))
+    return logits
+
+
+def simulate(cfg, blocks_root: str, k: int, checkpoint: str | None = None, temperature: float = 0.0,
+             seeds: int = 16) -> dict:
+    """Speculative decoding replayed offline (greedy, or vLLM's rule at ``temperature``); see the module
+    docstring. Returns the figures."""
     import numpy as np
     import pyarrow.parquet as pq
     import torch
@@ -79,7 +106,10 @@ def simulate(cfg, blocks_root: str, k: int, checkpoint: str | None = None) -> di
     rows = [(r["sample_id"], row_to_sample(r)) for b in man["blocks"]
             for r in pq.read_table(f"{blocks_root}/hidden_states/{b['path']}").to_pylist()]
     collate = CollateFn(4096, spec.model_identity["hidden_size"], len(spec.layer_ids) - 1, dtype=torch.float32)
-    walk, every = [], []
+    walk, every, every_pos = [], [], []
+    rng = np.random.default_rng(0)
+    walks = [[] for _ in range(seeds)] if temperature > 0 else []
+    logits_of = verifier_head(spec.model_path) if temperature > 0 else None
     with torch.no_grad():
         for group in pack_rows(rows, 4096):
             samples = [s for _, s in group]
@@ -91,12 +121,23 @@ def simulate(cfg, blocks_root: str, k: int, checkpoint: str | None = None) -> di
                 T, ids = int(s["lengths"][0]), s["input_ids"]
                 accepted = np.zeros(T, dtype=int)
                 alive = np.ones(T, dtype=bool)
+                chain = np.ones(T)  # T > 0: probability that steps 0..j were all accepted
+                chains = []
+                if temperature > 0:
+                    # logits[t] (from the shifted final state of token t+1) predict input_ids[t + 1]
+                    probs = torch.softmax(logits_of(s["verifier_last_hidden_states"]) / temperature, dim=-1)
                 for j in range(k):  # step j at position t proposes input_ids[t + 1 + j]
                     p = preds[j][0, off:off + T]
                     ok = np.zeros(T, dtype=bool)
                     ok[:T - 1 - j] = ((p + d2t[p])[:T - 1 - j] == ids[1 + j:]).numpy()
                     alive &= ok
                     accepted += alive
+                    if temperature > 0:
+                        pj = np.zeros(T)
+                        v = (p + d2t[p])[:T - 1 - j]
+                        pj[:T - 1 - j] = probs[torch.arange(j, T - 1), v].numpy()
+                        chain = chain * pj
+                        chains.append(chain)
                 off += T
                 starts = [t for t in np.nonzero(s["loss_mask"].numpy())[0] if t + k < T]
                 if not starts:
@@ -106,10 +147,33 @@ def simulate(cfg, blocks_root: str, k: int, checkpoint: str | None = None) -> di
                 while t + k < T:
                     walk.append(1 + accepted[t])
                     t += accepted[t] + 1
+                if temperature > 0:
+                    every_pos += [[float(c[t]) for c in chains] for t in starts]
+                    step_p = [np.divide(chains[j], chains[j - 1], out=np.zeros(T), where=chains[j - 1] > 0)
+                              if j else chains[0] for j in range(k)]
+                    for w in walks:  # vLLM's walk with sampled acceptance
+                        t = starts[0]
+                        while t + k < T:
+                            a = 0
+                            while a < k and rng.random() < step_p[a][t]:
+                                a += 1
+                            w.append(a)
+                            t += a + 1
     walk_a = np.array(walk)
-    return {"mean_acceptance_length": round(float(walk_a.mean()), 4), "drafts": len(walk),
-            "acceptance_per_position": [round(float((walk_a > j + 1).mean()), 4) for j in range(k)],
-            "all_positions_mean": round(float(np.mean(every)), 4), "checkpoint": ckpt, "samples": len(rows)}
+    out = {"temperature": temperature, "mean_acceptance_length": round(float(walk_a.mean()), 4),
+           "drafts": len(walk), "acceptance_per_position": [round(float((walk_a > j + 1).mean()), 4) for j in range(k)],
+           "all_positions_mean": round(float(np.mean(every)), 4), "checkpoint": ckpt, "samples": len(rows)}
+    if temperature > 0:
+        w = np.concatenate([np.array(x) for x in walks])
+        e = np.array(every_pos)  # [positions, k]: P(steps 0..j accepted)
+        out.update({
+            "mean_acceptance_length": round(float(1 + w.mean()), 4), "drafts": round(len(w) / seeds),
+            "acceptance_per_position": [round(float((w > j).mean()), 4) for j in range(k)],
+            "all_positions_mean": round(float(1 + e.sum(1).mean()), 4),
+            "all_positions_per_position": [round(float(x), 4) for x in e.mean(0)],
+            "greedy_replay": {"mean_acceptance_length": round(float(walk_a.mean()), 4),
+                              "all_positions_mean": round(float(np.mean(every)), 4)}, "seeds": seeds})
+    return out
 
 
 def main() -> None:
@@ -122,6 +186,8 @@ def main() -> None:
     ap.add_argument("--write-prompts", default=None, help="write validation prompts as chat JSONL and exit")
     ap.add_argument("--prompts", default="0:40", help="with --write-prompts: which prompts, lo:hi")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                    help="sampling temperatures to score at (vLLM's rule for a greedy draft; see above)")
     a = ap.parse_args()
     from eagle3ray.config import load_config
 
@@ -134,7 +200,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    print(json.dumps(simulate(cfg, a.blocks, a.k, a.checkpoint)))
+    for t in a.temperature:
+        print(json.dumps(simulate(cfg, a.blocks, a.k, a.checkpoint, temperature=t)))
 
 
 if __name__ == "__main__":

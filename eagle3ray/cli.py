@@ -362,11 +362,15 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
 def verify(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
            repair: bool = typer.Option(False, "--repair", help="Drop missing or corrupt blocks from the manifest so "
                                        "that `eagle3ray extract` extracts their samples again."),
-           size_only: bool = typer.Option(False, "--size-only", help="Check existence and size only (no sha256).")):
+           size_only: bool = typer.Option(False, "--size-only", help="Check existence and size only (no sha256)."),
+           audit: int = typer.Option(0, "--audit", help="Also recompute this many committed samples' states with a "
+                                     "transformers forward of the verifier and compare them per layer id.")):
     """Check every committed hidden-state block against its manifest entry (exists, size, sha256).
 
-    Exit 1 when a block is missing or corrupt (each is named); with --repair they are dropped from the manifest
-    instead (exit 0) and the next extract redoes exactly their samples.
+    Exit 1 when a block is missing or corrupt (each is named), or with --audit N when the audited states are not
+    the verifier's at their layer ids (each layer named: an off-by-one says which layer the states match); with
+    --repair missing or corrupt blocks are dropped from the manifest instead (exit 0) and the next extract
+    redoes exactly their samples. The audit only reads (the manifest keeps extraction's own audit record).
     """
     from .verify import verify as run_verify
 
@@ -377,7 +381,28 @@ def verify(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = 
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
     print(s.render())
-    if not s.ok:
+    ok = s.ok
+    if audit:
+        from . import blocks, storage
+        from .audit import audit_run
+        from .verifier import VerifierSpec
+
+        paths = storage.run_paths(cfg)
+        data, _ = blocks.read_committed(paths.fs, paths.hidden_states)
+        spec = VerifierSpec.from_config(cfg)
+        rec = audit_run(paths.fs, paths.hidden_states, data, spec.model_path, audit,
+                        data["verifier"].get("compute_dtype", spec.dtype), cfg.verifier.device)
+        if rec.get("skipped"):
+            print(f"audit skipped: {rec['skipped']}")
+        else:
+            print(f"audit of {len(rec['samples'])} samples ({rec['tokens']} tokens) against {rec['reference']}: "
+                  f"{'passed' if rec['passed'] else 'FAILED'} (tolerance {rec['tolerance']:.3g})")
+            for i, v in rec["layers"].items():
+                print(f"  layer {i}: mean relative error {v['mean_rel_err']:.2e}, max {v['max_rel_err']:.2e}")
+            for p in rec["problems"]:
+                print(f"  PROBLEM {p}")
+            ok = ok and rec["passed"]
+    if not ok:
         raise typer.Exit(1)
 
 
@@ -508,13 +533,14 @@ def verifier_stop(config: Optional[Path] = ConfigOpt, overrides: Optional[list[s
 
 
 def main() -> None:
+    from .audit import AuditFailed
     from .lease import LeaseHeld, exit_on_sigterm
     from .verifier_service import VerifierMismatch
 
     exit_on_sigterm()
     try:
         app()
-    except (VerifierMismatch, LeaseHeld) as e:
+    except (VerifierMismatch, LeaseHeld, AuditFailed) as e:
         console.print(f"[red]error:[/red] {e}")
         sys.exit(1)
     except KeyboardInterrupt:

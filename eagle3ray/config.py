@@ -228,6 +228,10 @@ class ExtractSection(_Strict):
     tmp_dir: str = Field("/dev/shm", description="Scratch directory of the engine's hidden-state connector.")
     max_unit_retries: int = Field(
         3, ge=0, description="Times a unit is re-sent after its verifier replica (or node) died mid-call.")
+    audit_samples: int = Field(
+        2, ge=0, description="Committed samples whose states are recomputed with a transformers forward of the "
+        "verifier (float32, CPU) and compared per layer id before the extraction is marked complete; a layer off "
+        "its tolerance, or closer to another layer, fails the stage (eagle3ray/audit.py). 0 = no audit.")
     max_storage_gib: float | None = Field(
         None, gt=0, description="Preflight: refuse a plan whose hidden states would exceed this much storage.")
 

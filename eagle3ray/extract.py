@@ -46,6 +46,7 @@ class ExtractSummary:
     total_bytes: int = 0  # of the committed block files, overall (manifest counts.bytes)
     storage_dtype: str = ""
     resumed_from: int = 0  # samples already committed when this run started
+    audit: dict | None = None  # manifest["audit"] (eagle3ray.audit)
     orphans_removed: int = 0
     skipped: bool = False
     rejected: dict = field(default_factory=dict)  # stage -> RejectCounter.to_json()
@@ -69,6 +70,7 @@ class ExtractSummary:
         c = manifest.counts
         self.total_samples, self.total_tokens, self.total_bytes = c["samples"], c["tokens"], c["bytes"]
         self.storage_dtype = manifest.data.get("dtype", "")
+        self.audit = manifest.data.get("audit")
         self.rejected = manifest.data["rejected"]
 
     @property
@@ -88,11 +90,25 @@ class ExtractSummary:
                 ("tokens in manifest", self.total_tokens),
                 (f"bytes/token on storage ({self.storage_dtype}; manifest bytes / tokens)",
                  f"{self.bytes_per_token:,.0f}"),
+                ("audit vs transformers (mean / max relative error per layer)", self.audit_text()),
                 ("output", self.path)]
 
+    def audit_text(self) -> str:
+        """The audit in one line: each layer id's mean / max relative error, or why it did not run."""
+        a = self.audit
+        if not a:
+            return "not run"
+        if a.get("skipped"):
+            return f"skipped: {a['skipped']}"
+        return (f"{'passed' if a['passed'] else 'FAILED'} on {len(a['samples'])} samples, {a['tokens']} tokens: "
+                + ", ".join(f"{i}: {v['mean_rel_err']:.1e} / {v['max_rel_err']:.1e}" for i, v in a["layers"].items()))
+
     def headline(self) -> str:
+        a = self.audit or {}
+        audit = ("" if not a or a.get("skipped") else
+                 f", audit max error {max(v['max_rel_err'] for v in a['layers'].values()):.1e}")
         return (f"extract: {self.total_samples} samples, {self.total_tokens} tokens in the manifest, "
-                f"{self.bytes_per_token:,.0f} B/token on storage ({self.storage_dtype})"
+                f"{self.bytes_per_token:,.0f} B/token on storage ({self.storage_dtype})" + audit
                 + (" (already complete)" if self.skipped else f", {self.tokens_per_s:.0f} tok/s this run"))
 
     @property
@@ -305,6 +321,8 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
             interrupt a run at a known point).
 
     Raises:
+        eagle3ray.audit.AuditFailed: the audited states do not match the verifier's at their layer ids (the
+            manifest stays incomplete, with the audit's record).
         FileNotFoundError: prepare has not completed.
         blocks.ManifestMismatch: existing blocks were made with another verifier/layers/dtype.
         RuntimeError: the verifier service failed to start, or a unit failed after Ray's retries.
@@ -353,6 +371,14 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
         # blocks of attempts that died after writing (their unit was redone): not in the manifest, removed
         summary.orphans_removed_end = manifest.remove_orphans()
 
+    if "audit" not in manifest.data or not manifest.data["audit"].get("passed", True) or units:
+        from .audit import audit_run, check
+
+        manifest.data["audit"] = audit_run(paths.fs, hs_root, manifest.data, spec.model_path,
+                                           cfg.extract.audit_samples, spec.dtype, cfg.verifier.device)
+        if not manifest.data["audit"].get("skipped") and not manifest.data["audit"]["passed"]:
+            manifest.save()  # the failed audit recorded; the manifest stays incomplete
+            check(manifest.data["audit"], f"{paths.uri}/hidden_states")
     manifest.finish(spec.model_identity["vocab_size"], rejected.to_json(), summary.retries)
     summary.wall_seconds = time.time() - t_start
     summary.set_totals(manifest)

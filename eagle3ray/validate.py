@@ -339,6 +339,9 @@ def validate(cfg, force: bool = False) -> ValidateReport:
             sampler_fix.append(fix)
         out = []
         for t in ts:
+            # a short warm-up at this temperature first: the first sampling call of a process pays one-time costs
+            # (a T > 0 draft engine's first call was 2.3x slower than the next engine's, docs/validation.md)
+            ray.get(eng.generate.remote(prompts[:2], 4, t))
             before = ray.get(eng.spec_counters.remote()) if draft else None
             g = ray.get(eng.generate.remote(prompts, vc.max_new_tokens, t))
             if draft:

@@ -86,6 +86,13 @@ def test_states_match_transformers_per_layer_in_shared_batches(ray_session, tmp_
             scale = np.abs(want[:, j]).max()
             err = np.abs(got[:, j] - want[:, j]).max()
             assert err <= 1e-2 * scale + 1e-3, f"{r['sample_id']} layer {lid}: max err {err} (scale {scale})"
+    # The pipeline's own audit passed on these states and recorded each layer's error.
+    audit = man["audit"]
+    assert audit["passed"] and len(audit["samples"]) == 2 and audit["tokens"] > 0
+    assert list(audit["layers"]) == [str(i) for i in man["layer_ids"]]
+    assert all(v["nearest_layer"] == int(i) and v["mean_rel_err"] < audit["tolerance"]
+               for i, v in audit["layers"].items())
+    assert "passed on 2 samples" in dict(s.rows())["audit vs transformers (mean / max relative error per layer)"]
     # Loss-masked token frequencies agree with the stored masks.
     paths = storage.run_paths(cfg)
     from eagle3ray.artifacts import load_token_frequencies
@@ -237,3 +244,35 @@ def test_regenerated_answers_are_the_same_on_the_service_and_a_dedicated_engine(
     # the written answers are the verifier's (<= 12 new tokens + the end-of-turn tokens), not the file's
     assert all(len(a) <= 12 + 3 for a in answers["service"].values())
     assert all(answers["service"][k] != answers["none"][k] for k in answers["none"])
+
+
+def test_audit_catches_states_stored_under_the_wrong_layer_ids(ray_session, tmp_path, make_cfg):
+    """States of layer i+1 stored as layer i (an engine off by one): the audit names each shifted layer, the stage
+    fails, and the manifest stays incomplete; the correctly labelled states pass."""
+    from eagle3ray.audit import AuditFailed, audit_rows
+    from eagle3ray.verifier import VerifierSpec
+
+    train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(6))
+    cfg = make_cfg([train])
+    prepare(cfg)
+    extract(cfg, progress=False)
+    spec = VerifierSpec.from_config(cfg)
+    rows = _committed_rows(cfg)[:2]
+    good = audit_rows(rows, spec.model_path, TINY_AUX + [8], "bfloat16", "float32")
+    assert good["passed"] and not good["problems"]
+    shifted = [i - 1 for i in TINY_AUX]  # what the manifest would claim if the engine took layer i+1 for i
+    bad = audit_rows(rows, spec.model_path, shifted + [8], "bfloat16", "float32")
+    assert not bad["passed"]
+    assert [p.split(" (")[0] for p in bad["problems"]] == [
+        f"the states stored as layer {i - 1} match layer {i}" for i in TINY_AUX]
+    # through the stage: the manifest claims the shifted ids (as an off-by-one engine would write them)
+    paths = storage.run_paths(cfg)
+    data, _ = blocks.read_committed(paths.fs, paths.hidden_states)
+    data.update(layer_ids=shifted + [8], complete=False)
+    data.pop("audit")
+    blocks.Manifest(paths.fs, paths.hidden_states, data).save()
+    off = make_cfg([train], f"verifier.aux_layer_ids={shifted}")
+    with pytest.raises(AuditFailed, match=f"the states stored as layer {shifted[0]} match layer {TINY_AUX[0]}"):
+        extract(off, progress=False)
+    man = storage.read_json(*_man(cfg))
+    assert not man["complete"] and not man["audit"]["passed"]
