@@ -99,6 +99,13 @@ class RaySection(_Strict):
     )
     include_dashboard: bool = Field(False, description="Start the Ray dashboard (on 127.0.0.1) with a local cluster.")
     namespace: str = Field("eagle3ray", description="Ray namespace of the verifier service and the jobs that reuse it.")
+    allow_unauthenticated: bool = Field(
+        False, description="Use a Ray cluster that answers calls carrying no authentication token. false: after "
+        "connecting (or starting a local cluster), eagle3ray asks the cluster's GCS for a read without a token and "
+        "stops unless it is refused (a cluster whose answer is unknown is refused too): anyone who reaches an "
+        "unguarded cluster's ports runs code on it. Turn token auth on instead (RAY_AUTH_MODE=token on every node "
+        "and here, one token: `ray get-auth-token --generate`); true only for a cluster private by other means "
+        "(eagle3ray.machine.ensure_ray; docs/clusters.md).")
 
 
 class VerifierSection(_Strict):

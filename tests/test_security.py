@@ -1,0 +1,141 @@
+"""eagle3ray runs only where callers are checked, pins the code it trusts, and keeps secrets off command lines,
+out of images and out of configs (issue 16, item 8). One test (or a few) per guarantee, each named after it.
+
+The one test that starts a Ray cluster (``ray start --head`` without token authentication, on free ports of
+127.0.0.1 with its own temp dir) is marked slow and stops exactly the processes it started.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import cluster_ports, free_port, stop_cluster
+from eagle3ray.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+SECRET_VARS = ("RAY_AUTH_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+               "AWS_SESSION_TOKEN")
+
+
+# ------------------------------------------------------------------------- 1. attach only to a guarded cluster
+def _fake_gcs(refuse: bool):
+    """A gRPC server answering the probe's call like a GCS with token auth on (refuse) or off."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2
+
+    def get_all_node_info(request, context):
+        if refuse:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "Invalid or missing authentication token")
+        return gcs_service_pb2.GetAllNodeInfoReply()
+
+    handler = grpc.method_handlers_generic_handler("ray.rpc.NodeInfoGcsService", {
+        "GetAllNodeInfo": grpc.unary_unary_rpc_method_handler(
+            get_all_node_info, request_deserializer=gcs_service_pb2.GetAllNodeInfoRequest.FromString,
+            response_serializer=gcs_service_pb2.GetAllNodeInfoReply.SerializeToString)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_the_auth_probe_asks_the_cluster_not_this_process(monkeypatch):
+    """'token' only when the GCS refuses a call without a token; this process's RAY_AUTH_MODE changes nothing;
+    a GCS that does not answer is an error, never 'token'."""
+    from eagle3ray.machine import cluster_auth_mode
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # this driver would send a token; the probe sends none
+    for refuse, expected in ((True, "token"), (False, "disabled")):
+        server, address = _fake_gcs(refuse)
+        try:
+            assert cluster_auth_mode(address) == expected
+        finally:
+            server.stop(0)
+    with pytest.raises(ConnectionError, match="UNAVAILABLE"):
+        cluster_auth_mode(f"127.0.0.1:{free_port()}", timeout_s=2)
+
+
+def test_an_unknown_or_disabled_auth_mode_is_refused_unless_the_config_allows_it(monkeypatch):
+    import eagle3ray.machine as machine
+
+    def cannot_ask():
+        raise ConnectionError("gRPC UNAVAILABLE")
+
+    for probe, allowed in ((cannot_ask, "unknown"), (lambda: "disabled", "disabled")):
+        monkeypatch.setattr(machine, "connected_cluster_auth_mode", probe)
+        with pytest.raises(machine.UnguardedClusterError, match="RAY_AUTH_MODE=token.*ray.allow_unauthenticated"):
+            machine.require_guarded_cluster(False, "h:6379")
+        assert machine.require_guarded_cluster(True, "h:6379") == allowed
+    monkeypatch.setattr(machine, "connected_cluster_auth_mode", lambda: "token")
+    assert machine.require_guarded_cluster(False, "h:6379") == "token"
+
+
+def test_no_local_cluster_starts_when_RAY_AUTH_MODE_turns_token_auth_off(monkeypatch):
+    import ray
+
+    from eagle3ray.machine import UnguardedClusterError, ensure_ray
+
+    def must_not_start(**kw):
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", must_not_start)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(UnguardedClusterError, match="RAY_AUTH_MODE=disabled"):
+        ensure_ray(load_config(None))
+    assert load_config(None).ray.allow_unauthenticated is False  # the default refuses
+
+
+_DRIVER = """
+import sys
+from eagle3ray.config import load_config
+from eagle3ray.machine import UnguardedClusterError, ensure_ray
+try:
+    ensure_ray(load_config(None, sys.argv[1:]))
+except UnguardedClusterError as e:
+    print("REFUSED", e)
+else:
+    import ray
+    print("ATTACHED", len(ray.nodes()))
+"""
+
+
+@pytest.mark.slow
+def test_an_unauthenticated_ray_start_cluster_is_refused_unless_the_config_allows_it(tmp_path):
+    """A real `ray start --head` with RAY_AUTH_MODE=disabled: a driver with the default config is refused with
+    the way out, one with ray.allow_unauthenticated=true attaches."""
+    from eagle3ray.machine import cluster_auth_mode
+
+    temp_dir = f"/tmp/e3r-sec-{os.getpid()}"  # short: Ray's socket paths must stay under 108 chars
+    gcs, _, port_args = cluster_ports(temp_dir)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        r = subprocess.run([str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+                            "--include-dashboard=false", *port_args], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert cluster_auth_mode(f"127.0.0.1:{gcs}") == "disabled"
+        driver_env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}  # a driver as a user would run it
+        out = {}
+        for name, extra in (("default", []), ("allowed", ["ray.allow_unauthenticated=true"])):
+            d = subprocess.run([sys.executable, "-c", _DRIVER, f"ray.address=127.0.0.1:{gcs}", *extra],
+                               env=driver_env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            out[name] = d.stdout + d.stderr
+        assert "REFUSED" in out["default"] and "answers calls that carry no authentication token" in out["default"]
+        assert "RAY_AUTH_MODE=token" in out["default"], out["default"]
+        assert "ATTACHED 1" in out["allowed"], out["allowed"]
+    finally:
+        stop_cluster(temp_dir, gcs)
