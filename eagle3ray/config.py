@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -120,7 +121,16 @@ class VerifierSection(_Strict):
         None, description="The verifier's config.json for the offline preflight when `model` is a hub id "
         "(configs/verifiers/ holds copies for the shipped configs). Default: <model>/config.json.",
     )
-    trust_remote_code: bool = Field(False, description="vLLM/transformers trust_remote_code (Kimi-K2.5 needs it).")
+    trust_remote_code: bool = Field(
+        False, description="vLLM/transformers trust_remote_code (Kimi-K2.5 needs it): the model repository's Python "
+        "code runs in every verifier process, so it needs `revision` pinned.")
+    revision: str | None = Field(
+        None, description="Hugging Face commit of `model` (a hub id): the full 40-hex-digit hash, passed to vLLM as "
+        "revision, code_revision and tokenizer_revision and part of the verifier's identity. Required with "
+        "trust_remote_code: true, since a branch or tag (`main`, `v1.0`) moves with the next push and a commit "
+        "does not; find it with `python -c \"from huggingface_hub import HfApi; print(HfApi().model_info('ORG/NAME')"
+        ".sha)\"` or the repository's history page. For a local folder it is only recorded (the folder's files are "
+        "what runs).")
     gpu_memory_gib: float | None = Field(
         None, gt=0, description="Memory of one GPU (GiB), e.g. 80 (H100), 141 (H200); preflight checks the "
         "verifier's per-GPU plan against it x gpu_memory_utilization.",
@@ -166,10 +176,21 @@ class VerifierSection(_Strict):
         """GPUs per replica: tensor_parallel_size on CUDA, 0 on CPU."""
         return self.tensor_parallel_size if self.device == "cuda" else 0
 
+    @field_validator("revision")
+    @classmethod
+    def _full_commit(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-f]{40}", v):
+            raise ValueError(f"verifier.revision must be a full commit hash (40 lower-case hex digits), got {v!r}: "
+                             "a branch, tag or short hash is not a pin")
+        return v
+
     @model_validator(mode="after")
     def _cpu_tp(self) -> "VerifierSection":
         if self.device == "cpu" and self.tensor_parallel_size != 1:
             raise ValueError("verifier.tensor_parallel_size must be 1 when verifier.device is 'cpu'")
+        if self.trust_remote_code and self.revision is None:
+            raise ValueError("verifier.trust_remote_code: true runs the model repository's Python code in every "
+                             "verifier process; pin verifier.revision to the commit you reviewed (40 hex digits)")
         return self
 
 

@@ -139,3 +139,34 @@ def test_an_unauthenticated_ray_start_cluster_is_refused_unless_the_config_allow
         assert "ATTACHED 1" in out["allowed"], out["allowed"]
     finally:
         stop_cluster(temp_dir, gcs)
+
+
+# ----------------------------------------------------------------- 2. trusted remote code is a pinned commit
+def test_trust_remote_code_needs_a_pinned_full_commit_revision():
+    with pytest.raises(ConfigError, match="pin verifier.revision"):
+        load_config(None, ["verifier.trust_remote_code=true"])
+    for moving in ("main", "v1.0", "4d01dfe", "4D01DFE0332D63057C186E0B262165819EFB6611"):
+        with pytest.raises(ConfigError, match="full commit hash"):
+            load_config(None, ["verifier.trust_remote_code=true", f"verifier.revision={moving}"])
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    cfg = load_config(None, ["verifier.trust_remote_code=true", f"verifier.revision={sha}"])
+    assert cfg.verifier.revision == sha
+
+
+def test_every_shipped_config_that_trusts_remote_code_pins_a_revision():
+    trusting = []
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        v = load_config(path, resolved=False).verifier  # validates: a trusting config without a pin fails here
+        if v.trust_remote_code:
+            trusting.append(path.name)
+            assert re.fullmatch(r"[0-9a-f]{40}", v.revision), path.name
+    assert "kimi-k2.5.yaml" in trusting
+
+
+def test_the_revision_reaches_the_verifier_identity_only_when_set():
+    from eagle3ray.verifier import VerifierSpec
+
+    plain = VerifierSpec(model_path="org/model", layer_ids=[2, 4, 5])
+    pinned = VerifierSpec(model_path="org/model", layer_ids=[2, 4, 5], revision="ab" * 20)
+    assert "revision" not in plain.identity()  # identities (and service names) of unpinned verifiers unchanged
+    assert pinned.identity()["revision"] == "ab" * 20 and pinned.identity_hash() != plain.identity_hash()
