@@ -170,3 +170,51 @@ def test_the_revision_reaches_the_verifier_identity_only_when_set():
     pinned = VerifierSpec(model_path="org/model", layer_ids=[2, 4, 5], revision="ab" * 20)
     assert "revision" not in plain.identity()  # identities (and service names) of unpinned verifiers unchanged
     assert pinned.identity()["revision"] == "ab" * 20 and pinned.identity_hash() != plain.identity_hash()
+
+
+# ------------------------------------------------------------- 3. `ray up`: no token on a docker command line
+def _strings(node):
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _strings(v)
+
+
+def _secret_on_command_line(text: str) -> list[str]:
+    """`NAME=value` or `$NAME` / `${NAME}` of a secret variable (a *_PATH variable names a file: allowed)."""
+    names = "|".join(SECRET_VARS)
+    return re.findall(rf"\b(?:{names})=\S*|\$\{{?(?:{names})\b\}}?", text)
+
+
+def test_the_ray_up_launcher_puts_no_secret_on_the_docker_run_command_line():
+    from ray.autoscaler._private.docker import docker_start_cmds
+
+    launcher = yaml.safe_load((ROOT / "cluster/launcher/aws.yaml").read_text())
+    docker = launcher["docker"]
+    options = docker.get("run_options", []) + docker.get("head_run_options", []) + docker.get("worker_run_options", [])
+    # the very command Ray's launcher runs on each node (ray.autoscaler's DockerCommandRunner)
+    run = docker_start_cmds("ubuntu", docker["image"], launcher.get("file_mounts", {}), docker["container_name"],
+                            options, launcher["cluster_name"], "/home/ray", "docker")
+    assert "RAY_AUTH_MODE=token" in run
+    assert _secret_on_command_line(run) == [], run
+    # nor on any other command the launcher runs (setup, ray start, ...)
+    assert _secret_on_command_line("\n".join(_strings(launcher))) == []
+    # the tokens arrive as files: each *_PATH variable points into a mounted directory from outside the repository
+    paths = dict(re.findall(r"--env (RAY_AUTH_TOKEN_PATH|HF_TOKEN_PATH)=(\S+)", run))
+    assert set(paths) == {"RAY_AUTH_TOKEN_PATH", "HF_TOKEN_PATH"}, run
+    mounts = launcher["file_mounts"]
+    for path in paths.values():
+        (dst,) = [d for d in mounts if path.startswith(d.rstrip("/") + "/")]
+        assert mounts[dst].startswith("~/") and f"-v /tmp/ray_tmp_mount/eagle3ray/{dst}:{dst}" in run
+
+
+def test_the_secret_check_sees_a_token_on_a_command_line():
+    """The check above can fail: the options main shipped put the tokens on `docker run`."""
+    assert _secret_on_command_line("--env RAY_AUTH_TOKEN=$RAY_AUTH_TOKEN --env HF_TOKEN=$HF_TOKEN")
+    assert _secret_on_command_line("-e AWS_SECRET_ACCESS_KEY=abc")
+    assert not _secret_on_command_line("--env RAY_AUTH_TOKEN_PATH=/opt/s/ray_auth_token --env RAY_AUTH_MODE=token")
