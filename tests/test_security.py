@@ -218,3 +218,79 @@ def test_the_secret_check_sees_a_token_on_a_command_line():
     assert _secret_on_command_line("--env RAY_AUTH_TOKEN=$RAY_AUTH_TOKEN --env HF_TOKEN=$HF_TOKEN")
     assert _secret_on_command_line("-e AWS_SECRET_ACCESS_KEY=abc")
     assert not _secret_on_command_line("--env RAY_AUTH_TOKEN_PATH=/opt/s/ray_auth_token --env RAY_AUTH_MODE=token")
+
+
+# ------------------------------------------------------- 4. KubeRay: only the cluster's own pods reach its ports
+HEAD_PORTS = {"gcs": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "metrics": 8080}
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # matchExpressions would need more than this reader
+    match = selector.get("matchLabels") or {}
+    return bool(match) and all(labels.get(k) == v for k, v in match.items())
+
+
+def _pods(doc: dict) -> dict[str, dict]:
+    """Labels of every pod a RayCluster/RayJob creates (KubeRay adds ray.io/node-type to the template's)."""
+    spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+    pods = {"head": {**spec["headGroupSpec"]["template"].get("metadata", {}).get("labels", {}),
+                     "ray.io/node-type": "head"}}
+    for g in spec["workerGroupSpecs"]:
+        pods[g["groupName"]] = {**g["template"].get("metadata", {}).get("labels", {}), "ray.io/node-type": "worker"}
+    if doc["kind"] == "RayJob":
+        pods["submitter"] = doc["spec"]["submitterPodTemplate"].get("metadata", {}).get("labels", {})
+    return pods
+
+
+def _peers_allowed(policy: dict, port: int, pods: dict[str, dict]) -> set[str]:
+    """Who may connect to ``port`` under ``policy``: names of the cluster's pods, or 'namespace:NAME'.
+    Anything broader (an empty selector, an ipBlock, a namespace chosen by other labels) fails the test."""
+    allowed = set()
+    for rule in policy["spec"].get("ingress", []):
+        ports = {p["port"] for p in rule.get("ports", [])}
+        if ports and port not in ports:
+            continue
+        assert rule.get("from"), f"an ingress rule without `from` admits everyone: {rule}"
+        for peer in rule["from"]:
+            assert set(peer) <= {"podSelector", "namespaceSelector"}, f"peer too broad: {peer}"
+            if "namespaceSelector" in peer:
+                ns = peer["namespaceSelector"].get("matchLabels", {})
+                assert set(ns) == {"kubernetes.io/metadata.name"} and "podSelector" not in peer, peer
+                assert ports, f"a namespace may reach named ports only: {rule}"
+                allowed.add(f"namespace:{ns['kubernetes.io/metadata.name']}")
+            else:
+                members = {name for name, labels in pods.items() if _selects(peer["podSelector"], labels)}
+                assert members, f"peer selects none of the cluster's pods: {peer}"
+                allowed |= members
+    return allowed
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "cluster/kuberay").glob("*.yaml")), ids=lambda p: p.name)
+def test_kuberay_head_ports_are_reachable_only_from_the_clusters_pods_and_named_namespaces(path):
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    (cluster,) = [d for d in docs if d["kind"] in ("RayCluster", "RayJob")]
+    pods = _pods(cluster)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy" and _selects(d["spec"]["podSelector"], pods["head"])]
+    assert policies, f"{path.name}: no NetworkPolicy selects the head pod"
+    for policy in policies:
+        assert "Ingress" in policy["spec"]["policyTypes"]
+    # pods of one cluster must not select another's: the label differs between the files
+    assert all(p.get("eagle3ray.io/cluster") == pods["head"]["eagle3ray.io/cluster"] for p in pods.values()), pods
+    for name, port in HEAD_PORTS.items():
+        allowed = set().union(*(_peers_allowed(p, port, pods) for p in policies))
+        assert allowed, (name, port)
+        outsiders = {a for a in allowed if a.startswith("namespace:")}
+        if name in ("gcs", "client", "serve"):  # run code / reach the verifier: the cluster's own pods only
+            assert not outsiders, (name, outsiders)
+        assert allowed - outsiders <= set(pods), (name, allowed)
+    # the cluster's own pods reach each other on any port (raylet, object manager, workers)
+    assert {"head", *(set(pods) - {"submitter"})} <= _peers_allowed(policies[0], 23456, pods)
+
+
+def test_the_network_policy_check_fails_an_open_policy():
+    pods = {"head": {"eagle3ray.io/cluster": "c", "ray.io/node-type": "head"}}
+    open_to_all = {"spec": {"ingress": [{"from": [{"namespaceSelector": {}}]}]}}
+    with pytest.raises(AssertionError):
+        _peers_allowed(open_to_all, 6379, pods)
+    with pytest.raises(AssertionError):
+        _peers_allowed({"spec": {"ingress": [{}]}}, 6379, pods)
