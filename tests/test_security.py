@@ -294,3 +294,62 @@ def test_the_network_policy_check_fails_an_open_policy():
         _peers_allowed(open_to_all, 6379, pods)
     with pytest.raises(AssertionError):
         _peers_allowed({"spec": {"ingress": [{}]}}, 6379, pods)
+
+
+# --------------------------------------------------------------------- 5. no local secret enters an image
+def _dockerignore_regex(pattern: str) -> re.Pattern:
+    """One .dockerignore pattern as Docker (moby/patternmatcher) reads it: relative to the context root,
+    `**` any number of directories, `*` and `?` within one path element."""
+    pattern = pattern.strip().lstrip("/")
+    out, i = "", 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            i += 2
+            if pattern.startswith("/", i):
+                i += 1
+                out += "(.*/)?"
+            else:
+                out += ".*"
+            continue
+        out += {"*": "[^/]*", "?": "[^/]"}.get(c, re.escape(c))
+        i += 1
+    return re.compile(f"^{out}$")
+
+
+def _excluded(path: str, lines: list[str]) -> bool:
+    """Whether the build context leaves ``path`` out: the last pattern matching it or a parent directory wins
+    (a directory left out is not walked); ``!pattern`` takes it back."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        rx = _dockerignore_regex(line[1:] if negate else line)
+        if any(rx.match(c) for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+LOCAL_SECRETS = [".env", ".env.local", "configs/.env", "scripts/.env.prod", "key.pem", "certs/tls.pem",
+                 "cluster/ssh.key", ".aws/credentials", "sub/.aws/config", "auth_token", ".ray/auth_token",
+                 "home/.ray/auth_token", ".ssh/id_ed25519", ".netrc"]
+
+
+def test_dockerignore_keeps_local_secrets_out_of_images():
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    assert [p for p in LOCAL_SECRETS if not _excluded(p, lines)] == []
+    # ... and not what the image needs (docker/ COPYs the context and runs scripts/setup.sh)
+    needed = ["pyproject.toml", "scripts/setup.sh", "eagle3ray/config.py", "configs/kimi-k2.5.yaml",
+              "configs/verifiers/Kimi-K2.5/config.json", "jobs/run.py"]
+    assert [p for p in needed if _excluded(p, lines)] == []
+
+
+def test_the_dockerignore_reader_follows_dockers_root_anchoring():
+    """`*.pem` only matches at the context's root, as in Docker: the reason the file uses **/ patterns."""
+    assert _excluded("a.pem", ["*.pem"]) and not _excluded("certs/a.pem", ["*.pem"])
+    assert _excluded("certs/a.pem", ["**/*.pem"]) and _excluded(".aws/credentials", [".aws"])
+    assert not _excluded(".env", [".env", "!.env"])
