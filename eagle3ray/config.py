@@ -36,8 +36,50 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the file and the field."""
 
 
+#: Query parameters whose value is a credential (presigned S3/GCS URLs, API keys): matched as substrings of
+#: the lower-cased name, plus the short names below.
+_SECRET_QUERY_WORDS = ("token", "secret", "password", "passwd", "signature", "credential", "api_key", "apikey")
+_SECRET_QUERY_NAMES = {"key", "sig", "pwd", "auth"}
+
+
+def url_credentials(value: str) -> str | None:
+    """What in ``value`` is a credential, if it is a URL that carries one: ``"user:password@"`` / ``"key@"``
+    before the host, or a query parameter named like a secret (``?X-Amz-Signature=``, ``?token=``); else None.
+    Names the kind, never the secret. Plain paths and values without ``scheme://`` are never URLs here."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    if "://" not in value:
+        return None
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return None
+    if "@" in parts.netloc:
+        return "user:password@ or key@ before the host"
+    for name, _ in parse_qsl(parts.query, keep_blank_values=True):
+        low = name.lower()
+        if low in _SECRET_QUERY_NAMES or any(w in low for w in _SECRET_QUERY_WORDS):
+            return f"the query parameter {name!r}"
+    return None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*")
+    @classmethod
+    def _no_credentials_in_urls(cls, v: Any) -> Any:
+        """Credentials come from the environment or secrets, never from a config (it is logged and written to
+        ``config.resolved.yaml``): any string value (or list/dict of them) that is a URL carrying credentials is
+        rejected, in every section (run.storage, run.endpoint_url, ray.address, verifier.model, data paths, ...).
+        The message names the field (pydantic's location) and the kind of credential, never its value."""
+        values = v if isinstance(v, list) else list(v.values()) if isinstance(v, dict) else [v]
+        for item in values:
+            if isinstance(item, str) and (kind := url_credentials(item)):
+                raise ValueError(f"the URL carries credentials ({kind}); remove them and set them in the "
+                                 "environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, HF_TOKEN, RAY_AUTH_TOKEN) "
+                                 "or a secret")
+        return v
 
 
 class RunSection(_Strict):
@@ -68,18 +110,6 @@ class RunSection(_Strict):
 
             if parse_duration(v) <= 0:
                 raise ValueError("run.time_budget must be positive")
-        return v
-
-    @field_validator("storage", "endpoint_url")
-    @classmethod
-    def _no_credentials_in_urls(cls, v: str | None, info) -> str | None:
-        """Credentials come from the environment or secrets, never from a config (it is logged and written to
-        ``config.resolved.yaml``): a URL with ``user:password@`` or ``key@`` before its host is rejected."""
-        if v and "://" in v:
-            netloc = v.split("://", 1)[1].split("/", 1)[0]
-            if "@" in netloc:
-                raise ValueError(f"run.{info.field_name}: the URL carries credentials before '@'; remove them and "
-                                 "set them in the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) or a secret")
         return v
 
     @field_validator("name")

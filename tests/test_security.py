@@ -353,3 +353,34 @@ def test_the_dockerignore_reader_follows_dockers_root_anchoring():
     assert _excluded("a.pem", ["*.pem"]) and not _excluded("certs/a.pem", ["*.pem"])
     assert _excluded("certs/a.pem", ["**/*.pem"]) and _excluded(".aws/credentials", [".aws"])
     assert not _excluded(".env", [".env", "!.env"])
+
+
+# ------------------------------------------------------------ 6. no credentials in a config's URLs
+URL_FIELDS = [
+    ("run.storage", "s3://AKIAEXAMPLEKEY:s3cr3tvalue@bucket/runs"),
+    ("run.storage", "s3://s3cr3tvalue@bucket/runs"),
+    ("run.endpoint_url", "http://user:s3cr3tvalue@127.0.0.1:9000"),
+    ("ray.address", "ray://admin:s3cr3tvalue@head:10001"),
+    ("verifier.model", "s3://key:s3cr3tvalue@models/llama"),
+    ("verifier.config_path", "https://user:s3cr3tvalue@example.org/config.json"),
+    ("data.train", [{"kind": "chat", "path": "https://example.org/d.jsonl?X-Amz-Signature=s3cr3tvalue"}]),
+    ("validation.reference_drafts", ["https://example.org/draft?token=s3cr3tvalue"]),
+]
+
+
+@pytest.mark.parametrize("key,value", URL_FIELDS, ids=[k for k, _ in URL_FIELDS])
+def test_a_url_with_credentials_is_rejected_in_any_field_without_echoing_them(tmp_path, key, value):
+    tree = copy.deepcopy(yaml.safe_load((ROOT / "configs/smollm2-135m-cpu.yaml").read_text()))
+    section, name = key.split(".")
+    tree.setdefault(section, {})[name] = value
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(tree))
+    with pytest.raises(ConfigError, match="carries credentials") as e:
+        load_config(f, resolved=False)
+    assert key.split(".")[1] in str(e.value) and "s3cr3tvalue" not in str(e.value) and "AKIA" not in str(e.value)
+
+
+def test_urls_without_credentials_still_load():
+    cfg = load_config(None, ["run.endpoint_url=http://127.0.0.1:9000", "ray.address=ray://head:10001",
+                             "run.storage=s3://bucket/runs?region=us-east-1"], resolved=False)
+    assert cfg.ray.address == "ray://head:10001"
