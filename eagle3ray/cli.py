@@ -535,12 +535,13 @@ def verifier_stop(config: Optional[Path] = ConfigOpt, overrides: Optional[list[s
 def main() -> None:
     from .audit import AuditFailed
     from .lease import LeaseHeld, exit_on_sigterm
+    from .machine import UnguardedClusterError
     from .verifier_service import VerifierMismatch
 
     exit_on_sigterm()
     try:
         app()
-    except (VerifierMismatch, LeaseHeld, AuditFailed) as e:
+    except (VerifierMismatch, LeaseHeld, AuditFailed, UnguardedClusterError) as e:
         console.print(f"[red]error:[/red] {e}")
         sys.exit(1)
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -35,8 +36,50 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the file and the field."""
 
 
+#: Query parameters whose value is a credential (presigned S3/GCS URLs, API keys): matched as substrings of
+#: the lower-cased name, plus the short names below.
+_SECRET_QUERY_WORDS = ("token", "secret", "password", "passwd", "signature", "credential", "api_key", "apikey")
+_SECRET_QUERY_NAMES = {"key", "sig", "pwd", "auth"}
+
+
+def url_credentials(value: str) -> str | None:
+    """What in ``value`` is a credential, if it is a URL that carries one: ``"user:password@"`` / ``"key@"``
+    before the host, or a query parameter named like a secret (``?X-Amz-Signature=``, ``?token=``); else None.
+    Names the kind, never the secret. Plain paths and values without ``scheme://`` are never URLs here."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    if "://" not in value:
+        return None
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return None
+    if "@" in parts.netloc:
+        return "user:password@ or key@ before the host"
+    for name, _ in parse_qsl(parts.query, keep_blank_values=True):
+        low = name.lower()
+        if low in _SECRET_QUERY_NAMES or any(w in low for w in _SECRET_QUERY_WORDS):
+            return f"the query parameter {name!r}"
+    return None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*")
+    @classmethod
+    def _no_credentials_in_urls(cls, v: Any) -> Any:
+        """Credentials come from the environment or secrets, never from a config (it is logged and written to
+        ``config.resolved.yaml``): any string value (or list/dict of them) that is a URL carrying credentials is
+        rejected, in every section (run.storage, run.endpoint_url, ray.address, verifier.model, data paths, ...).
+        The message names the field (pydantic's location) and the kind of credential, never its value."""
+        values = v if isinstance(v, list) else list(v.values()) if isinstance(v, dict) else [v]
+        for item in values:
+            if isinstance(item, str) and (kind := url_credentials(item)):
+                raise ValueError(f"the URL carries credentials ({kind}); remove them and set them in the "
+                                 "environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, HF_TOKEN, RAY_AUTH_TOKEN) "
+                                 "or a secret")
+        return v
 
 
 class RunSection(_Strict):
@@ -69,18 +112,6 @@ class RunSection(_Strict):
                 raise ValueError("run.time_budget must be positive")
         return v
 
-    @field_validator("storage", "endpoint_url")
-    @classmethod
-    def _no_credentials_in_urls(cls, v: str | None, info) -> str | None:
-        """Credentials come from the environment or secrets, never from a config (it is logged and written to
-        ``config.resolved.yaml``): a URL with ``user:password@`` or ``key@`` before its host is rejected."""
-        if v and "://" in v:
-            netloc = v.split("://", 1)[1].split("/", 1)[0]
-            if "@" in netloc:
-                raise ValueError(f"run.{info.field_name}: the URL carries credentials before '@'; remove them and "
-                                 "set them in the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) or a secret")
-        return v
-
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
@@ -99,6 +130,13 @@ class RaySection(_Strict):
     )
     include_dashboard: bool = Field(False, description="Start the Ray dashboard (on 127.0.0.1) with a local cluster.")
     namespace: str = Field("eagle3ray", description="Ray namespace of the verifier service and the jobs that reuse it.")
+    allow_unauthenticated: bool = Field(
+        False, description="Use a Ray cluster that answers calls carrying no authentication token. false: after "
+        "connecting (or starting a local cluster), eagle3ray asks the cluster's GCS for a read without a token and "
+        "stops unless it is refused (a cluster whose answer is unknown is refused too): anyone who reaches an "
+        "unguarded cluster's ports runs code on it. Turn token auth on instead (RAY_AUTH_MODE=token on every node "
+        "and here, one token: `ray get-auth-token --generate`); true only for a cluster private by other means "
+        "(eagle3ray.machine.ensure_ray; docs/clusters.md).")
 
 
 class VerifierSection(_Strict):
@@ -113,7 +151,16 @@ class VerifierSection(_Strict):
         None, description="The verifier's config.json for the offline preflight when `model` is a hub id "
         "(configs/verifiers/ holds copies for the shipped configs). Default: <model>/config.json.",
     )
-    trust_remote_code: bool = Field(False, description="vLLM/transformers trust_remote_code (Kimi-K2.5 needs it).")
+    trust_remote_code: bool = Field(
+        False, description="vLLM/transformers trust_remote_code (Kimi-K2.5 needs it): the model repository's Python "
+        "code runs in every verifier process, so it needs `revision` pinned.")
+    revision: str | None = Field(
+        None, description="Hugging Face commit of `model` (a hub id): the full 40-hex-digit hash, passed to vLLM as "
+        "revision, code_revision and tokenizer_revision and part of the verifier's identity. Required with "
+        "trust_remote_code: true, since a branch or tag (`main`, `v1.0`) moves with the next push and a commit "
+        "does not; find it with `python -c \"from huggingface_hub import HfApi; print(HfApi().model_info('ORG/NAME')"
+        ".sha)\"` or the repository's history page. For a local folder it is only recorded (the folder's files are "
+        "what runs).")
     gpu_memory_gib: float | None = Field(
         None, gt=0, description="Memory of one GPU (GiB), e.g. 80 (H100), 141 (H200); preflight checks the "
         "verifier's per-GPU plan against it x gpu_memory_utilization.",
@@ -159,10 +206,21 @@ class VerifierSection(_Strict):
         """GPUs per replica: tensor_parallel_size on CUDA, 0 on CPU."""
         return self.tensor_parallel_size if self.device == "cuda" else 0
 
+    @field_validator("revision")
+    @classmethod
+    def _full_commit(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-f]{40}", v):
+            raise ValueError(f"verifier.revision must be a full commit hash (40 lower-case hex digits), got {v!r}: "
+                             "a branch, tag or short hash is not a pin")
+        return v
+
     @model_validator(mode="after")
     def _cpu_tp(self) -> "VerifierSection":
         if self.device == "cpu" and self.tensor_parallel_size != 1:
             raise ValueError("verifier.tensor_parallel_size must be 1 when verifier.device is 'cpu'")
+        if self.trust_remote_code and self.revision is None:
+            raise ValueError("verifier.trust_remote_code: true runs the model repository's Python code in every "
+                             "verifier process; pin verifier.revision to the commit you reviewed (40 hex digits)")
         return self
 
 

@@ -4,12 +4,20 @@ Everything here reads the machine it runs on (``/proc/cpuinfo``, ``RAY_ADDRESS``
 from the schema (:mod:`eagle3ray.config` stays pure: the same YAML validates the same everywhere). The config's
 ``auto`` values are resolved through these functions once, by :func:`eagle3ray.config.resolve`, in the process
 that loads the config (the CLI or the job driver), and recorded in ``<run>/config.resolved.yaml``.
+
+A Ray cluster runs whatever code a caller sends it, so eagle3ray only works on one that checks who is calling:
+:func:`ensure_ray` asks the cluster itself whether it refuses a call without a token (:func:`cluster_auth_mode`)
+and stops with :class:`UnguardedClusterError` when it does not, unless ``ray.allow_unauthenticated`` says so.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def cpu_bf16_is_fast(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
@@ -48,27 +56,158 @@ def resolve_autocast(setting: str, device_type: str) -> bool:
     return setting == "bfloat16"
 
 
+class UnguardedClusterError(RuntimeError):
+    """The Ray cluster answers calls that carry no authentication token (or could not be asked), and
+    ``ray.allow_unauthenticated`` is false. The message says how to turn token authentication on."""
+
+
+def cluster_auth_mode(gcs_address: str, timeout_s: float = 10.0) -> str:
+    """How the Ray cluster whose GCS listens at ``gcs_address`` (``host:port``) treats a caller without a token.
+
+    Returns ``"token"`` when the GCS refuses an unauthenticated read (gRPC ``UNAUTHENTICATED``), ``"disabled"``
+    when it answers it. The call is ``NodeInfoGcsService.GetAllNodeInfo(limit=1)`` on a bare gRPC channel (no
+    token attached; TLS when ``RAY_USE_TLS`` is set, as Ray's own channels do): what anyone who can reach the
+    GCS port could do. It asks the cluster, not this process: ``RAY_AUTH_MODE`` here only says whether *this*
+    process sends a token, and a driver that sends one also connects to a cluster that checks nothing.
+    Whether the GCS checks is settled where it starts (Ray 2.60: ``RAY_AUTH_MODE=token``, or a ``ray start``
+    that finds ``~/.ray/auth_token``; a cluster ``ray.init()`` starts has it on by default).
+
+    Raises:
+        ConnectionError: the GCS gave another answer (unreachable, timed out), named by its gRPC status.
+    """
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        from ray._common.tls_utils import load_certs_from_env
+
+        cert_chain, private_key, ca_cert = load_certs_from_env()
+        creds = grpc.ssl_channel_credentials(certificate_chain=cert_chain, private_key=private_key,
+                                             root_certificates=ca_cert)
+        channel = grpc.secure_channel(gcs_address, creds)
+    else:
+        channel = grpc.insecure_channel(gcs_address)
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(limit=1), timeout=timeout_s)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            return "token"
+        raise ConnectionError(f"the GCS at {gcs_address} did not answer a read: gRPC {e.code().name}") from None
+    finally:
+        channel.close()
+    return "disabled"
+
+
+def _auth_mode_from_inside() -> str:
+    """:func:`cluster_auth_mode` of the cluster this process belongs to (runs as a task on it)."""
+    import ray
+
+    return cluster_auth_mode(ray.get_runtime_context().gcs_address)
+
+
+def connected_cluster_auth_mode() -> str:
+    """:func:`cluster_auth_mode` of the cluster ``ray.init`` connected this process to.
+
+    A driver (local cluster, ``ray.address`` host:port or ``auto``, a Ray Job's entrypoint) asks the GCS address
+    it is connected to. A Ray Client (``ray://``) has no GCS address of its own: a zero-CPU task asks from inside
+    the cluster (so eagle3ray must be importable there, as it is in the images of ``docker/``).
+
+    Raises:
+        ConnectionError: as :func:`cluster_auth_mode`; ``ray.exceptions.GetTimeoutError`` when the task does not
+            run within 60 s.
+    """
+    import ray
+    from ray.util.client import ray as client_ray
+
+    if client_ray.is_connected():
+        return ray.get(ray.remote(num_cpus=0)(_auth_mode_from_inside).remote(), timeout=60)
+    return cluster_auth_mode(ray.get_runtime_context().gcs_address)
+
+
+def _without_userinfo(address: str) -> str:
+    """``address`` with anything between ``//`` and ``@`` blanked (it is printed in errors)."""
+    return re.sub(r"//[^/@]*@", "//***@", address)
+
+
+_HOW_TO_GUARD = (
+    "Turn token authentication on where the cluster starts: `ray get-auth-token --generate` once, then "
+    "`RAY_AUTH_MODE=token ray start ...` on every node with that token (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or "
+    "RAY_AUTH_TOKEN; the manifests in cluster/ do this), and run eagle3ray with RAY_AUTH_MODE=token and the same "
+    "token. For a cluster that is private by other means, set ray.allow_unauthenticated=true.")
+
+
+def require_guarded_cluster(allow_unauthenticated: bool, where: str) -> str:
+    """Check that the cluster ``ray.init`` connected to refuses callers without a token.
+
+    Returns the mode found (``"token"``, ``"disabled"``, or ``"unknown"`` when it could not be asked and
+    ``allow_unauthenticated`` is true; a warning is logged for the last two).
+
+    Raises:
+        UnguardedClusterError: the cluster answers unauthenticated calls, or could not be asked, and
+            ``allow_unauthenticated`` is false. Fails closed: a cluster whose answer is unknown is refused.
+    """
+    try:
+        mode = connected_cluster_auth_mode()
+    except Exception as e:  # noqa: BLE001 - any failure to ask means "not known to be guarded"
+        if allow_unauthenticated:
+            log.warning("could not tell whether the Ray cluster at %s requires a token (%s); "
+                        "ray.allow_unauthenticated is true, going on", where, e)
+            return "unknown"
+        raise UnguardedClusterError(f"could not tell whether the Ray cluster at {where} requires an authentication "
+                                    f"token ({e}), so eagle3ray does not use it. {_HOW_TO_GUARD}") from None
+    if mode != "token":
+        if not allow_unauthenticated:
+            raise UnguardedClusterError(
+                f"the Ray cluster at {where} answers calls that carry no authentication token: anyone who can "
+                f"reach its ports can run code on it and read what eagle3ray puts there (weights, data, the "
+                f"credentials in its environment). {_HOW_TO_GUARD}")
+        log.warning("the Ray cluster at %s accepts calls without a token (ray.allow_unauthenticated is true)", where)
+    return mode
+
+
 def ensure_ray(cfg) -> bool:
     """Connect to (or start) Ray per ``cfg.ray``; returns True when this call started the connection.
 
     ``ray.address`` (or ``RAY_ADDRESS``, set for drivers of ``ray job submit``) attaches to a running cluster;
-    otherwise a local cluster of ``ray.num_cpus`` logical CPUs starts for the duration of the process. Token
-    authentication stays as Ray configures it (on by default in Ray 2.60); a local cluster binds to 127.0.0.1
-    and starts no dashboard unless ``ray.include_dashboard`` is set. Actors' output reaches this terminal only
-    with ``--verbose`` (:mod:`eagle3ray.logs`).
+    otherwise a local cluster of ``ray.num_cpus`` logical CPUs starts for the duration of the process, with
+    token authentication on (Ray 2.60 turns it on for a cluster ``ray.init()`` starts unless ``RAY_AUTH_MODE``
+    says otherwise; a ``RAY_AUTH_MODE`` other than ``token`` is refused before anything starts). Either way the
+    cluster is then asked whether it refuses a call without a token (:func:`require_guarded_cluster`); one that
+    does not is disconnected from and refused unless ``ray.allow_unauthenticated`` is true. A local cluster
+    binds to 127.0.0.1 and starts no dashboard unless ``ray.include_dashboard`` is set. Actors' output reaches
+    this terminal only with ``--verbose`` (:mod:`eagle3ray.logs`). A Ray this process had already initialised
+    is used as it is (the caller connected it).
+
+    Raises:
+        UnguardedClusterError: the cluster does not require a token (see :func:`require_guarded_cluster`).
     """
     import ray
 
     if ray.is_initialized():
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    allow = cfg.ray.allow_unauthenticated
     from .logs import quiet_loggers, verbose
 
     if address:
         ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=verbose())
+        where = _without_userinfo(address)
     else:
+        mode = os.environ.get("RAY_AUTH_MODE")
+        if mode is not None and mode.lower() != "token" and not allow:
+            raise UnguardedClusterError(
+                f"RAY_AUTH_MODE={mode} in this environment would start the local Ray cluster without token "
+                "authentication; unset it (a cluster ray.init() starts has token authentication on) or set "
+                "ray.allow_unauthenticated=true")
         ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
                  namespace=cfg.ray.namespace, _node_ip_address="127.0.0.1", log_to_driver=verbose(),
                  runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
+        where = "127.0.0.1 (started by this command)"
     quiet_loggers()
+    try:
+        require_guarded_cluster(allow, where)
+    except UnguardedClusterError:
+        ray.shutdown()
+        raise
     return True

@@ -60,6 +60,7 @@ class VerifierSpec:
     engine: str = "vllm"  # "stand_in": StandInEngine (no model; rehearsals and tests)
     stand_in_tokens_per_s: float | None = None
     trust_remote_code: bool = False
+    revision: str | None = None  # hub commit of model_path (required with trust_remote_code by the config)
     model_identity: dict = field(default_factory=dict)  # config/tokenizer hashes, filled by from_config
 
     @classmethod
@@ -79,13 +80,16 @@ class VerifierSpec:
             cpu_kv_cache_gib=v.cpu_kv_cache_gib, cpu_threads=v.cpu_threads, seed=v.seed,
             tmp_dir=cfg.extract.tmp_dir, engine=v.engine,
             stand_in_tokens_per_s=v.stand_in_tokens_per_s, trust_remote_code=v.trust_remote_code,
-            model_identity=ident,
+            revision=v.revision, model_identity=ident,
         )
 
     def identity(self) -> dict:
-        """What must match for a running engine to be reused (everything but scratch paths)."""
+        """What must match for a running engine to be reused (everything but scratch paths; ``revision`` only
+        when set, so identities of unpinned verifiers stay what they were)."""
         d = asdict(self)
         d.pop("tmp_dir")
+        if d["revision"] is None:
+            d.pop("revision")
         return d
 
     def identity_hash(self) -> str:
@@ -197,6 +201,8 @@ class VerifierEngine(_EngineCounters):
             max_model_len=s.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
             max_num_seqs=s.max_num_seqs, enforce_eager=s.enforce_eager, seed=s.seed,
             trust_remote_code=s.trust_remote_code,
+            # the remote code, weights and tokenizer all come from the pinned commit (None: the hub's default branch)
+            revision=s.revision, code_revision=s.revision, tokenizer_revision=s.revision,
             # Prefix caching truncates the dumped states (cached tokens are not recomputed).
             enable_prefix_caching=False,
             speculative_config={

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -26,6 +27,10 @@ import yaml
 
 # Loopback everywhere: without this Ray resolves 127.0.0.1 to the machine's address (FIELD_NOTES).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Token authentication on, as eagle3ray requires of a cluster it attaches to (ray.allow_unauthenticated stays
+# false): the nodes this process starts and the CLIs it runs share one token, set before Ray is imported.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
 ROOT = Path(__file__).resolve().parent.parent
 
 

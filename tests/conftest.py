@@ -119,3 +119,33 @@ def write_chat_jsonl(path: Path, conversations: list[list[dict]]) -> Path:
         for i, msgs in enumerate(conversations):
             f.write(json.dumps({"id": f"c{i}", "messages": msgs}) + "\n")
     return path
+
+
+def cluster_ports(temp_dir: str) -> tuple[int, int, list[str]]:
+    """(GCS port, dashboard port, `ray start` arguments) for a cluster of its own: free ports and ``temp_dir``.
+    The other test modules' in-process cluster holds Ray's default ports."""
+    ports: set[int] = set()
+    while len(ports) < 9:
+        ports.add(free_port())
+    gcs, dash, *agent_ports = sorted(ports)
+    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+             "runtime-env-agent-port", "node-manager-port", "object-manager-port", "ray-client-server-port")
+    return gcs, dash, [f"--port={gcs}", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
+                       "--disable-usage-stats", *(f"--{n}={p}" for n, p in zip(names, agent_ports))]
+
+
+def stop_cluster(temp_dir: str, gcs: int) -> None:
+    """Stop only this cluster's processes (identified by its temp dir / GCS port), never `ray stop`'s all."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if temp_dir in cmdline or f"--gcs-address=127.0.0.1:{gcs}" in cmdline or f":{gcs} " in cmdline:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+    subprocess.run(["rm", "-rf", temp_dir])

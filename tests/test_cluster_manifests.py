@@ -110,9 +110,19 @@ def test_rayjob_entrypoint_exists_and_passes_preflight():
     assert "WORKDIR /opt/eagle3ray" in (ROOT / "docker/Dockerfile.gpu").read_text()
     rep = preflight(load_config(ROOT / cfg_file), nodes=None)
     assert rep.ok, rep.problems
-    # the job's own cluster is the long-lived RayCluster's shape
+    # the job's own cluster is the long-lived RayCluster's shape (its pods carry their own cluster label)
     (rc,) = [d for d in _kuberay() if d["kind"] == "RayCluster"]
-    assert job["spec"]["rayClusterSpec"] == rc["spec"]
+    assert _shape(job["spec"]["rayClusterSpec"]) == _shape(rc["spec"])
+
+
+def _shape(spec: dict) -> dict:
+    """A cluster spec without its pods' labels (which name the cluster for its NetworkPolicy)."""
+    import copy
+
+    spec = copy.deepcopy(spec)
+    for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        g["template"].pop("metadata", None)
+    return spec
 
 
 def test_token_auth_on_and_credentials_only_from_secrets():
@@ -122,6 +132,11 @@ def test_token_auth_on_and_credentials_only_from_secrets():
             assert env["RAY_AUTH_MODE"]["value"] == "token"
             for key in ("RAY_AUTH_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):
                 assert "secretKeyRef" in env[key]["valueFrom"] and "value" not in env[key], key
+    for d in _kuberay():
+        if d["kind"] == "RayJob":  # `ray job submit` sends the token only with RAY_AUTH_MODE=token
+            (sub,) = d["spec"]["submitterPodTemplate"]["spec"]["containers"]
+            env = {e["name"]: e for e in sub["env"]}
+            assert env["RAY_AUTH_MODE"]["value"] == "token" and "secretKeyRef" in env["RAY_AUTH_TOKEN"]["valueFrom"]
     launcher = _docs(ROOT / "cluster/launcher/aws.yaml")[0]
     assert any("RAY_AUTH_MODE=token" in o for o in launcher["docker"]["run_options"])
     assert any("--dashboard-host=127.0.0.1" in c for c in launcher["head_start_ray_commands"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TINY_AUX, free_port, write_chat_jsonl
+from conftest import TINY_AUX, write_chat_jsonl
+from conftest import cluster_ports as _cluster_ports
+from conftest import stop_cluster as _stop_cluster
 from test_extract import _convs
 
 pytestmark = pytest.mark.slow
@@ -53,33 +54,6 @@ def cluster(tmp_path_factory):
     address = f"http://127.0.0.1:{dash}"
     yield {"address": address, "tmp": tmp}
     _stop_cluster(temp_dir, gcs)
-
-
-def _cluster_ports(temp_dir: str) -> tuple[int, int, list[str]]:
-    """(GCS port, dashboard port, `ray start` arguments) for a cluster of its own: free ports and ``temp_dir``.
-    The other test modules' in-process cluster holds Ray's default ports."""
-    ports: set[int] = set()
-    while len(ports) < 9:
-        ports.add(free_port())
-    gcs, dash, *agent_ports = sorted(ports)
-    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-             "runtime-env-agent-port", "node-manager-port", "object-manager-port", "ray-client-server-port")
-    return gcs, dash, [f"--port={gcs}", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
-                       "--disable-usage-stats", *(f"--{n}={p}" for n, p in zip(names, agent_ports))]
-
-
-def _stop_cluster(temp_dir: str, gcs: int) -> None:
-    """Stop only this cluster's processes (identified by its temp dir / GCS port), never `ray stop`'s all."""
-    import psutil
-
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = " ".join(p.info["cmdline"] or [])
-        if temp_dir in cmdline or f"--gcs-address=127.0.0.1:{gcs}" in cmdline or f":{gcs} " in cmdline:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.Error:
-                pass
-    subprocess.run(["rm", "-rf", temp_dir])
 
 
 def _submit_and_wait(address: str, entrypoint: str, timeout: float = 900) -> tuple[str, str]:
