@@ -353,7 +353,8 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
                                 + (f"  (plan {result.plan['total_s']:.0f}, budget {result.plan['budget_s']:.0f})"
                                    if est else ""))], compact=True))
     if not verbose():
-        console.print(_kv_table(result.summaries["validate"].title, result.summaries["validate"].rows(), compact=True))
+        console.print(_kv_table(result.summaries["validate"].title, result.summaries["validate"].rows(compact=True),
+                                compact=True))
     console.print(f"report: {storage.run_paths(cfg).uri}/reports/validate.json (+ validate.png)", soft_wrap=True)
     console.print(result.summaries["validate"].headline(), soft_wrap=True)
 

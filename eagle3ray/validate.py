@@ -54,8 +54,9 @@ class ValidateReport(dict):
         gate = self.get("gate")
         return not gate or gate["passed"]
 
-    def rows(self) -> list[tuple[str, object]]:
-        """(label, value) rows for the CLI's table."""
+    def rows(self, compact: bool = False) -> list[tuple[str, object]]:
+        """(label, value) rows for the CLI's table (``compact``: without the per-category row, which wraps to
+        several lines; `run`'s closing table, kept short)."""
         r = self
         t0 = r.get("temperature", 0.0)
         rows = [
@@ -66,7 +67,7 @@ class ValidateReport(dict):
             (f"mean acceptance length (T={t0:g})", r["mean_acceptance_length"]),
             ("acceptance per position", ", ".join(f"{a:.3f}" for a in r["acceptance_per_position"]))]
         cats = r.get("by_category") or {}
-        if len(cats) > 1:
+        if len(cats) > 1 and not compact:
             rows.append(("acceptance length by category",
                          ", ".join(f"{c} {v['mean_acceptance_length']:.2f}" for c, v in cats.items())))
         rows += [("output tokens/s with draft", r["tokens_per_s_spec"]),

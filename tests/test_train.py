@@ -284,3 +284,59 @@ def test_validate_by_category_and_temperature_with_a_reference_draft_and_a_gate(
     again = CliRunner().invoke(app, [*args, "validation.min_acceptance_length=1.0", "--draft", str(ref)])
     assert again.exit_code == 0, again.output
     assert "already validated: skipped" in again.output and "passed: " in again.output
+
+
+def test_readme_vllm_serve_block_works_as_written_from_a_plain_shell(trained):
+    """README's "serve it with stock vLLM" block, pasted into a shell where the venv is not activated, serves the
+    exported draft beside its verifier: a completion comes back and vLLM counts drafts. Changed only: the run's
+    folder (this test's run), and the server bound to a free port on 127.0.0.1 with a small context."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from conftest import free_port
+
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "README.md").read_text()
+    after = text[text.index("Serve it"):]
+    start = after.index("```bash\n") + len("```bash\n")
+    block = after[start:after.index("```", start)]
+    assert "vllm serve" in block and "eagle3" in block
+    cfg, _, _, _ = trained
+    run_dir = storage.run_paths(cfg).root  # a local path: the test's storage is file://
+    port = free_port()
+    script = block.replace("runs/smollm2-135m-cpu/", run_dir.rstrip("/") + "/").replace("\\\n", " ").rstrip()
+    script = "set -euo pipefail\n" + script + f" --host 127.0.0.1 --port {port} --max-model-len 512 --enforce-eager\n"
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ["HOME"], "LANG": "C.UTF-8",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    p = subprocess.Popen(["bash", "-c", script], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and p.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(2)
+        assert p.poll() is None, p.stdout.read()[-5000:]
+        body = json.dumps({"model": json.load(open(os.path.join(run_dir, "export", "provenance.json")))
+                           ["verifier_path"], "prompt": "The capital of France is", "max_tokens": 16,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.load(r)
+        assert out["choices"][0]["text"] and out["usage"]["completion_tokens"] > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        drafts = [float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_drafts")]
+        assert drafts and sum(drafts) > 0, "the server ran without speculative decoding"
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)

@@ -86,6 +86,7 @@ def test_report_rows_and_gate():
     r = _report()
     rows = dict(r.rows())
     assert rows["acceptance length by category"] == "writing 1.50, math 1.30"
+    assert "acceptance length by category" not in dict(r.rows(compact=True))  # `run`'s short closing table
     assert "at T=0.7: acceptance length / per position / speedup" in rows
     assert rows["reference draft old step 3"].startswith("T=0.7: 1.300")
     assert rows["CPU sampler fix (vLLM #55005)"] == "applied"
