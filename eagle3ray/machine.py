@@ -56,6 +56,33 @@ def resolve_autocast(setting: str, device_type: str) -> bool:
     return setting == "bfloat16"
 
 
+#: Where Debian/Ubuntu's libtcmalloc-minimal4 (installed by scripts/setup.sh where apt-get can) puts the library.
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib64/libtcmalloc_minimal.so.4")
+
+
+def cpu_engine_env(device: str) -> dict[str, str]:
+    """Environment for a process that will host a CPU vLLM engine: tcmalloc preloaded (``LD_PRELOAD``) when it is
+    installed, as vLLM's CPU worker asks.
+
+    ``benchmarks/preload.py`` (AMD EPYC, 2 cores, no AMX-BF16; medians of 2 fresh processes per variant, docs/
+    results.md): tcmalloc made regeneration 1.11x, extraction 1.14x and decoding 1.14x (1.05x with the draft)
+    as fast; Intel OpenMP (libiomp5) gave 0.92-1.07x, so it is not preloaded. Empty for other devices, when
+    ``EAGLE3RAY_CPU_PRELOAD=off``, when this process already preloads a tcmalloc, or when none is installed.
+    An engine process must *start* with it: eagle3ray's CPU engines run in-process (Ray actors and Serve replicas
+    get it through their ``runtime_env``; the plan's probe through its subprocess environment).
+    """
+    if device != "cpu" or os.environ.get("EAGLE3RAY_CPU_PRELOAD", "auto") == "off":
+        return {}
+    current = os.environ.get("LD_PRELOAD", "")
+    if "libtcmalloc" in current:
+        return {}
+    lib = next((p for p in TCMALLOC_PATHS if os.path.exists(p)), None)
+    if lib is None:
+        return {}
+    return {"LD_PRELOAD": f"{lib}:{current}" if current else lib}
+
+
 class UnguardedClusterError(RuntimeError):
     """The Ray cluster answers calls that carry no authentication token (or could not be asked), and
     ``ray.allow_unauthenticated`` is false. The message says how to turn token authentication on."""

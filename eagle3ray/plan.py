@@ -208,7 +208,10 @@ def probe(cfg) -> Rates:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         f.write(cfg.model_dump_json())
     try:
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        from .machine import cpu_engine_env
+
+        # the engines it measures for start as the stages' engines do (tcmalloc preloaded where installed)
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **cpu_engine_env(cfg.verifier.device))
         p = subprocess.run([sys.executable, "-m", "eagle3ray.plan", f.name], capture_output=True, text=True,
                            env=env, timeout=900)
     finally:

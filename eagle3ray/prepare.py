@@ -213,7 +213,11 @@ def answer_engine(cfg, spec):
 
     from ray.exceptions import RayActorError
 
+    from .machine import cpu_engine_env
+
     opts = {"num_cpus": v.num_cpus, **({"num_gpus": v.num_gpus} if v.num_gpus else {})}
+    if cpu_engine_env(v.device):
+        opts["runtime_env"] = {"env_vars": cpu_engine_env(v.device)}
 
     def start():
         t0 = time.time()

@@ -313,9 +313,13 @@ def validate(cfg, force: bool = False) -> ValidateReport:
     # validation serves the draft with its own engines, but never against a verifier other than the one
     # pinned on this cluster for these jobs
     refuse_if_pinned_differs(spec)
+    from .machine import cpu_engine_env
+
     opts = {"num_cpus": v.num_cpus}
     if v.num_gpus:
         opts["num_gpus"] = v.num_gpus
+    if cpu_engine_env(v.device):
+        opts["runtime_env"] = {"env_vars": cpu_engine_env(v.device)}
     Engine = ray.remote(**opts)(ServingEngine)
     common = dict(max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
                   max_num_seqs=vc.max_num_seqs, cpu_kv_cache_gib=v.cpu_kv_cache_gib, seed=v.seed,

@@ -35,7 +35,10 @@ def _replica_options(spec: VerifierSpec, num_cpus: float, resources: dict | None
     bundle for the replica and one GPU bundle per tensor-parallel rank, which vLLM's Ray executor
     uses for its workers (vLLM docs, "Serving with Ray Serve"). ``resources``: extra custom resources
     of the replica (``verifier.ray_resources``), in its own bundle."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(int(max(1, spec.cpu_kv_cache_gib)))} if spec.device == "cpu" else {}
+    from .machine import cpu_engine_env
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(int(max(1, spec.cpu_kv_cache_gib))), **cpu_engine_env(spec.device)} \
+        if spec.device == "cpu" else {}
     resources = dict(resources or {})
     opts: dict = {"ray_actor_options": {"num_cpus": num_cpus, "runtime_env": {"env_vars": env}}}
     if resources:
