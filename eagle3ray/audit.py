@@ -167,14 +167,17 @@ def verifier_fits(model_path: str) -> tuple[bool, str]:
 
 
 def audit_run(fs, hs_root: str, manifest: dict, model_path: str, samples: int, compute_dtype: str,
-              device: str = "cpu") -> dict:
+              device: str = "cpu", engine: str = "vllm") -> dict:
     """Audit ``samples`` committed samples of a run's hidden states (module docstring); returns the record.
 
-    On a GPU verifier (``device`` other than cpu) or one that does not fit this process's memory the audit is
-    skipped, and the record says why (``{"skipped": reason}``).
+    On a GPU verifier (``device`` other than cpu), one that does not fit this process's memory, or the stand-in
+    engine (``verifier.engine: stand_in``, whose states are synthetic by design) the audit is skipped, and the
+    record says why (``{"skipped": reason}``).
     """
     if samples <= 0:
         return {"skipped": "extract.audit_samples is 0"}
+    if engine != "vllm":
+        return {"skipped": f"verifier.engine {engine}: its states are synthetic, not the verifier's"}
     if device != "cpu":
         return {"skipped": f"verifier.device {device}: the transformers reference runs on CPU only in this version"}
     ok, why = verifier_fits(model_path)

@@ -392,7 +392,7 @@ def verify(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = 
         data, _ = blocks.read_committed(paths.fs, paths.hidden_states)
         spec = VerifierSpec.from_config(cfg)
         rec = audit_run(paths.fs, paths.hidden_states, data, spec.model_path, audit,
-                        data["verifier"].get("compute_dtype", spec.dtype), cfg.verifier.device)
+                        data["verifier"].get("compute_dtype", spec.dtype), cfg.verifier.device, spec.engine)
         if rec.get("skipped"):
             print(f"audit skipped: {rec['skipped']}")
         else:

@@ -375,7 +375,8 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
         from .audit import audit_run, check
 
         manifest.data["audit"] = audit_run(paths.fs, hs_root, manifest.data, spec.model_path,
-                                           cfg.extract.audit_samples, spec.dtype, cfg.verifier.device)
+                                           cfg.extract.audit_samples, spec.dtype, cfg.verifier.device,
+                                           spec.engine)
         if not manifest.data["audit"].get("skipped") and not manifest.data["audit"]["passed"]:
             manifest.save()  # the failed audit recorded; the manifest stays incomplete
             check(manifest.data["audit"], f"{paths.uri}/hidden_states")

@@ -303,7 +303,7 @@ def test_readme_vllm_serve_block_works_as_written_from_a_plain_shell(trained):
     after = text[text.index("Serve it"):]
     start = after.index("```bash\n") + len("```bash\n")
     block = after[start:after.index("```", start)]
-    assert "vllm serve" in block and "eagle3" in block
+    assert "vllm.entrypoints.openai.api_server" in block and "eagle3" in block
     cfg, _, _, _ = trained
     run_dir = storage.run_paths(cfg).root  # a local path: the test's storage is file://
     port = free_port()
@@ -335,8 +335,9 @@ def test_readme_vllm_serve_block_works_as_written_from_a_plain_shell(trained):
         drafts = [float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_drafts")]
         assert drafts and sum(drafts) > 0, "the server ran without speculative decoding"
     finally:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
