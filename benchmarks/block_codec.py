@@ -126,7 +126,8 @@ def encode(states: list, samples: list[dict], storage_dtype: str, encoding: str)
         pq.write_table(_bss_table(table, storage_dtype), sink, compression="zstd", use_dictionary=False,
                        column_encoding={f"{c}.list.element": "BYTE_STREAM_SPLIT" for c in cols}, **_ONE_PAGE)
         return sink.getvalue().to_pybytes()
-    return storage.parquet_bytes(table, "zstd" if encoding == "zstd+split" else encoding)
+    return storage.parquet_bytes(table, "zstd" if encoding == "zstd+split" else encoding,
+                                 **blocks.BLOCK_PARQUET_OPTIONS)
 
 
 def decode(buf: bytes, storage_dtype: str, encoding: str) -> list[np.ndarray]:

@@ -136,10 +136,15 @@ def bytes_per_token(num_layers: int, hidden_size: int, storage_dtype: str) -> in
     return num_layers * hidden_size * VALUE_BYTES[storage_dtype] + scales
 
 
-def to_storage_bytes(states, storage_dtype: str) -> bytes:
-    """Encode a torch tensor [T, L, H] (finite: the verifier rejects NaN/Inf) as the bytes of a row's
-    ``hidden_states``: raw little-endian values of ``storage_dtype``; for float8_e4m3 the scaled e4m3 values
-    then the [T, L] float32 scales (module docstring)."""
+def to_storage_array(states, storage_dtype: str) -> np.ndarray:
+    """Encode a torch tensor [T, L, H] (finite: the verifier rejects NaN/Inf) as a row's ``hidden_states``: a flat
+    uint8 numpy array of the raw little-endian values of ``storage_dtype``; for float8_e4m3 the scaled e4m3 values
+    then the [T, L] float32 scales (module docstring).
+
+    A contiguous tensor already in ``storage_dtype`` is not copied (the array shares its memory), and Ray sends a
+    numpy array between processes without pickling its bytes, so the engines return this form: a unit's states
+    reach the block writer with one copy into the object store and none out of it (``benchmarks/data_plane.py``).
+    """
     import torch
 
     if storage_dtype == "float8_e4m3":
@@ -149,11 +154,16 @@ def to_storage_bytes(states, storage_dtype: str) -> bytes:
         # |x / scale| <= 448 up to rounding, which the cast rounds back to 448; only an amax so small that amax / 448
         # is a float32 subnormal goes past 464, where torch's cast paths differ (NaN or saturation): clamp
         q = (x / safe[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-        return q.view(torch.uint8).numpy().tobytes() + scale.numpy().astype("<f4").tobytes()
+        return np.concatenate([q.view(torch.uint8).numpy().reshape(-1),
+                               scale.numpy().astype("<f4").view(np.uint8).reshape(-1)])
     t = states.to(getattr(torch, storage_dtype)).contiguous()
-    if storage_dtype == "bfloat16":
-        return t.view(torch.int16).numpy().tobytes()
-    return t.numpy().tobytes()
+    raw = t.view(torch.int16).numpy() if storage_dtype == "bfloat16" else t.numpy()
+    return raw.reshape(-1).view(np.uint8)
+
+
+def to_storage_bytes(states, storage_dtype: str) -> bytes:
+    """:func:`to_storage_array` as ``bytes``."""
+    return to_storage_array(states, storage_dtype).tobytes()
 
 
 def _e4m3fn_values() -> np.ndarray:
@@ -199,7 +209,8 @@ def build_block(samples: list[dict], results: list[dict], storage_dtype: str) ->
         rows["sample_id"].append(s["sample_id"])
         rows["input_ids"].append(list(map(int, s["input_ids"])))
         rows["loss_mask"].append(list(map(int, s["loss_mask"])))
-        rows["hidden_states"].append(r["hidden_states"])
+        hs = r["hidden_states"]  # bytes, or the uint8 array of to_storage_array (copied once, into the table)
+        rows["hidden_states"].append(memoryview(hs) if isinstance(hs, np.ndarray) else hs)
         rows["seq_len"].append(T)
         rows["num_layers"].append(L)
         rows["hidden_size"].append(H)
@@ -207,12 +218,39 @@ def build_block(samples: list[dict], results: list[dict], storage_dtype: str) ->
     return pa.table(rows, schema=BLOCK_SCHEMA)
 
 
+#: Parquet options of a block: no dictionary and no min/max statistics on the list and binary columns, which
+#: nothing reads and which cost more CPU than the compression itself at real state shapes (the states column's
+#: dictionary attempt hashes every value; its statistics compare them; benchmarks/data_plane.py). Readers are
+#: unaffected: the encodings are Parquet's plain ones.
+BLOCK_PARQUET_OPTIONS = {"use_dictionary": ["sample_id", "hs_dtype"],
+                         "write_statistics": ["sample_id", "seq_len", "num_layers", "hidden_size", "hs_dtype"]}
+
+
 def write_block(fs, path: str, table: pa.Table, compression: str) -> dict:
     """Write a block atomically; returns its manifest entry fields (bytes, sha256, rows, tokens)."""
-    buf = storage.parquet_bytes(table, compression)
+    buf = storage.parquet_bytes(table, compression, **BLOCK_PARQUET_OPTIONS)
     storage.write_bytes_atomic(fs, path, buf)
     return {"bytes": len(buf), "sha256": hashlib.sha256(buf).hexdigest(), "rows": table.num_rows,
             "tokens": int(pa.compute.sum(table["seq_len"]).as_py() or 0)}
+
+
+def write_unit_block(fs, hs_root: str, samples: list[dict], results: list[dict], storage_dtype: str,
+                     compression: str) -> dict:
+    """Build and write one unit's block under ``<hs_root>/blocks/`` (a fresh uuid name, not yet committed).
+
+    Used where the block is written: the Ray Data writer actor (``extract.block_writer: data_actor``) or the
+    verifier replica itself (``replica``). Returns the manifest entry fields (path relative to ``hs_root``, rows,
+    tokens, bytes, sha256) plus ``sample_ids`` (block order).
+
+    Raises:
+        ValueError: a result paired with the wrong sample (:func:`build_block`).
+    """
+    import uuid
+
+    table = build_block(samples, results, storage_dtype)
+    rel = f"blocks/part-{uuid.uuid4().hex}.parquet"
+    entry = write_block(fs, f"{hs_root}/{rel}", table, compression)
+    return {"path": rel, **entry, "sample_ids": [s["sample_id"] for s in samples]}
 
 
 def decode_states(row: dict) -> np.ndarray:

@@ -283,6 +283,16 @@ class ExtractSection(_Strict):
         "float8_e4m3: 1, plus a float32 scale amax/448 per token and layer, about half of bfloat16; "
         "measured sizes and error: docs/results.md, benchmarks/block_codec.py).")
     compression: Literal["zstd", "snappy", "none"] = Field("zstd", description="Parquet compression of the blocks.")
+    block_writer: Literal["data_actor", "replica"] = Field(
+        "data_actor", description="Where a unit's block is encoded and written: 'data_actor' (the states travel "
+        "from the verifier replica through Ray's object store to a Ray Data actor, which writes the block while the "
+        "replica computes the next unit) or 'replica' (the replica writes the block itself and returns only its "
+        "manifest entry; the engine waits for the write). Measured: benchmarks/data_plane.py, docs/results.md.")
+    writers_per_replica: int = Field(
+        1, ge=1, description="Ray Data block-writer actors per verifier replica (extract.block_writer: data_actor). "
+        "Each encodes, compresses and writes one block at a time on one core, about 6 CPU s per GB of raw bf16 "
+        "states where it was measured (benchmarks/data_plane.py, docs/results.md): a replica producing G GB/s needs "
+        "about 6 x G writers to keep up.")
     tmp_dir: str = Field("/dev/shm", description="Scratch directory of the engine's hidden-state connector.")
     max_unit_retries: int = Field(
         3, ge=0, description="Times a unit is re-sent after its verifier replica (or node) died mid-call.")

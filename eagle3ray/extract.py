@@ -6,6 +6,7 @@ Pipeline (Ray Data)::
       -> units: consecutive samples packed up to ``extract.max_tokens_per_batch`` tokens
       -> map_batches(BlockWriter, ActorPoolStrategy(min_replicas, max_replicas))
            each call: one unit -> verifier service (one engine batch) -> one Parquet block on storage
+           (written by this actor, or by the replica itself: ``extract.block_writer``)
       -> driver: commits each returned block into manifest.json (:class:`eagle3ray.blocks.Manifest`), in
          arrival order
     then: loss-masked token frequencies (token_freq.safetensors), manifest marked complete.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from . import blocks, storage
@@ -134,32 +134,46 @@ class BlockWriter:
     growing pause; Serve routes it to a live replica (or the replacement it starts). ``VerifierError`` (bad
     input, a wrong output) is not retried.
 
+    ``block_writer`` (``extract.block_writer``): ``data_actor`` has the states sent back through Ray's object store
+    and writes the block here; ``replica`` has the replica write it and send back only the entry
+    (:meth:`eagle3ray.verifier_service.VerifierDeployment.extract_block`). Either way the block is a fresh file that
+    only the driver's commit makes part of the run.
+
     Returns one row per unit: path (relative to hidden_states/), rows, tokens, bytes, sha256,
     sample_ids (the ids written, in block order), seconds (engine + write wall time), retries.
     """
 
     def __init__(self, app: str, storage_uri: str, endpoint_url: str | None, hs_root: str,
                  storage_dtype: str, compression: str, max_retries: int = 3,
-                 retry_pause_s: float = 2.0):
+                 retry_pause_s: float = 2.0, block_writer: str = "data_actor"):
         from ray import serve
 
         self.handle = serve.get_app_handle(app)
+        self.storage_uri, self.endpoint_url = storage_uri, endpoint_url
         self.fs, _ = storage.filesystem(storage_uri, endpoint_url)
         self.hs_root = hs_root
         self.storage_dtype = storage_dtype
         self.compression = compression
         self.max_retries = max_retries
         self.retry_pause_s = retry_pause_s
+        self.block_writer = block_writer
 
-    def _call(self, samples: list[dict]) -> tuple[list[dict], int]:
+    def _request(self, samples: list[dict]):
+        """One remote call for the unit: states back (``data_actor``) or the replica's block entry (``replica``)."""
+        if self.block_writer == "replica":
+            return self.handle.extract_block.remote(samples, self.storage_dtype, self.storage_uri,
+                                                    self.endpoint_url, self.hs_root, self.compression)
+        req = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"]} for s in samples]
+        return self.handle.extract.remote(req, self.storage_dtype)
+
+    def _call(self, samples: list[dict]):
         from ray.exceptions import ActorUnavailableError, RayActorError
 
-        req = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"]} for s in samples]
         from .verifier import VerifierError
 
         for attempt in range(self.max_retries + 1):
             try:
-                return self.handle.extract.remote(req, self.storage_dtype).result(), attempt
+                return self._request(samples).result(), attempt
             except VerifierError:
                 raise  # bad input or a wrong output: retrying gives the same
             except (RayActorError, ActorUnavailableError, RuntimeError) as e:  # a dead, broken or unhealthy replica
@@ -177,14 +191,11 @@ class BlockWriter:
             t0 = time.time()
             samples = [{"sample_id": str(s), "input_ids": [int(x) for x in i], "loss_mask": [int(x) for x in m]}
                        for s, i, m in zip(sample_ids, input_ids, loss_mask)]
-            results, retries = self._call(samples)
-            table = blocks.build_block(samples, results, self.storage_dtype)
-            rel = f"blocks/part-{uuid.uuid4().hex}.parquet"
-            entry = blocks.write_block(self.fs, f"{self.hs_root}/{rel}", table, self.compression)
-            out["path"].append(rel)
-            for k in ("rows", "tokens", "bytes", "sha256"):
+            got, retries = self._call(samples)
+            entry = got if self.block_writer == "replica" else blocks.write_unit_block(
+                self.fs, self.hs_root, samples, got, self.storage_dtype, self.compression)
+            for k in ("path", "rows", "tokens", "bytes", "sha256", "sample_ids"):
                 out[k].append(entry[k])
-            out["sample_ids"].append([s["sample_id"] for s in samples])
             out["seconds"].append(time.time() - t0)
             out["retries"].append(retries)
         return out
@@ -234,8 +245,9 @@ def _written_blocks(items: list[dict], writer_kwargs: dict, cfg):
             if len(items) > 1:
                 ds = ray.data.from_items(items[1:], override_num_blocks=min(len(items) - 1, 200)).map_batches(
                     BlockWriter, fn_constructor_kwargs=writer_kwargs, batch_size=1, num_cpus=0.1,
-                    compute=ray.data.ActorPoolStrategy(min_size=cfg.extract.min_replicas,
-                                                       max_size=cfg.extract.max_replicas))
+                    compute=ray.data.ActorPoolStrategy(
+                        min_size=cfg.extract.min_replicas * cfg.extract.writers_per_replica,
+                        max_size=cfg.extract.max_replicas * cfg.extract.writers_per_replica))
                 for row in ds.iter_rows():
                     q.put(("row", row))
         except BaseException as e:  # noqa: BLE001
@@ -364,7 +376,8 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
                   "loss_mask": [s["loss_mask"] for s in u]} for u in units]
         writer_kwargs = dict(app=app_name(spec), storage_uri=cfg.run.storage, endpoint_url=cfg.run.endpoint_url,
                              hs_root=hs_root, storage_dtype=cfg.extract.storage_dtype,
-                             compression=cfg.extract.compression, max_retries=cfg.extract.max_unit_retries)
+                             compression=cfg.extract.compression, max_retries=cfg.extract.max_unit_retries,
+                             block_writer=cfg.extract.block_writer)
         _commit_blocks(cfg, manifest, _written_blocks(items, writer_kwargs, cfg), app=writer_kwargs["app"],
                        rejected=rejected, summary=summary, total=sum(len(u) for u in units), progress=progress,
                        t_start=t_start, on_commit=on_commit)

@@ -83,6 +83,16 @@ def cpu_engine_env(device: str) -> dict[str, str]:
     return {"LD_PRELOAD": f"{lib}:{current}" if current else lib}
 
 
+def engine_actor_options(v) -> dict:
+    """``ray.remote`` options of a dedicated vLLM engine actor (regeneration's engine, validation's engines) for the
+    verifier section ``v``: its CPUs and GPUs, and on CPU the :func:`cpu_engine_env` environment it must start with."""
+    opts: dict = {"num_cpus": v.num_cpus, **({"num_gpus": v.num_gpus} if v.num_gpus else {})}
+    env = cpu_engine_env(v.device)
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    return opts
+
+
 class UnguardedClusterError(RuntimeError):
     """The Ray cluster answers calls that carry no authentication token (or could not be asked), and
     ``ray.allow_unauthenticated`` is false. The message says how to turn token authentication on."""

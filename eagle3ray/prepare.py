@@ -213,11 +213,9 @@ def answer_engine(cfg, spec):
 
     from ray.exceptions import RayActorError
 
-    from .machine import cpu_engine_env
+    from .machine import engine_actor_options
 
-    opts = {"num_cpus": v.num_cpus, **({"num_gpus": v.num_gpus} if v.num_gpus else {})}
-    if cpu_engine_env(v.device):
-        opts["runtime_env"] = {"env_vars": cpu_engine_env(v.device)}
+    opts = engine_actor_options(v)
 
     def start():
         t0 = time.time()

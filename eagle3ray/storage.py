@@ -110,10 +110,11 @@ def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any | None:
         return None
 
 
-def parquet_bytes(table: pa.Table, compression: str = "zstd") -> bytes:
-    """A Parquet file's bytes for ``table`` (``compression``: zstd, snappy or none)."""
+def parquet_bytes(table: pa.Table, compression: str = "zstd", **options) -> bytes:
+    """A Parquet file's bytes for ``table`` (``compression``: zstd, snappy or none; ``options``: more
+    ``pyarrow.parquet.write_table`` arguments)."""
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression=None if compression == "none" else compression)
+    pq.write_table(table, sink, compression=None if compression == "none" else compression, **options)
     return sink.getvalue().to_pybytes()
 
 

@@ -313,14 +313,9 @@ def validate(cfg, force: bool = False) -> ValidateReport:
     # validation serves the draft with its own engines, but never against a verifier other than the one
     # pinned on this cluster for these jobs
     refuse_if_pinned_differs(spec)
-    from .machine import cpu_engine_env
+    from .machine import engine_actor_options
 
-    opts = {"num_cpus": v.num_cpus}
-    if v.num_gpus:
-        opts["num_gpus"] = v.num_gpus
-    if cpu_engine_env(v.device):
-        opts["runtime_env"] = {"env_vars": cpu_engine_env(v.device)}
-    Engine = ray.remote(**opts)(ServingEngine)
+    Engine = ray.remote(**engine_actor_options(v))(ServingEngine)
     common = dict(max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
                   max_num_seqs=vc.max_num_seqs, cpu_kv_cache_gib=v.cpu_kv_cache_gib, seed=v.seed,
                   gpu_memory_utilization=v.gpu_memory_utilization, tensor_parallel_size=v.tensor_parallel_size,

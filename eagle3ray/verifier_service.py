@@ -107,6 +107,22 @@ class VerifierDeployment:
     def extract(self, samples: list[dict], storage_dtype: str = "bfloat16") -> list[dict]:
         return self._guarded(self.engine.extract, samples, storage_dtype)
 
+    def extract_block(self, samples: list[dict], storage_dtype: str, storage_uri: str, endpoint_url: str | None,
+                      hs_root: str, compression: str) -> dict:
+        """``extract`` of one unit, then its block written by this replica (``extract.block_writer: replica``):
+        only the manifest entry travels back (:func:`eagle3ray.blocks.write_unit_block`; ``samples`` carry
+        ``loss_mask``). A storage error is raised as it is and does not mark the engine unhealthy."""
+        from . import blocks, storage
+
+        results = self._guarded(self.engine.extract,
+                                [{"sample_id": s["sample_id"], "input_ids": s["input_ids"]} for s in samples],
+                                storage_dtype)
+        key = (storage_uri, endpoint_url)
+        if getattr(self, "_fs_key", None) != key:
+            self._fs, _ = storage.filesystem(storage_uri, endpoint_url)
+            self._fs_key = key
+        return blocks.write_unit_block(self._fs, hs_root, samples, results, storage_dtype, compression)
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  seed: int | None = None) -> list[dict]:
         return self._guarded(self.engine.generate, prompts, max_new_tokens, temperature, seed)

@@ -199,11 +199,33 @@ def test_interrupted_extraction_resumes_exactly_once(ray_session, tmp_path, make
 
 
 
-def test_extract_to_s3_on_local_endpoint(ray_session, tmp_path, make_cfg, s3_endpoint):
+def test_replica_written_blocks_hold_the_same_states_exactly_once(ray_session, tmp_path, make_cfg):
+    """extract.block_writer: replica (the replica writes each block) with two writers per replica gives the same
+    committed samples and states as the default path, where the states travel to a Ray Data writer actor."""
+    train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(16, words=20, seed=5))
+    base = make_cfg([train], "extract.max_tokens_per_batch=256", "run.name=via-actor")
+    via_replica = make_cfg([train], "extract.max_tokens_per_batch=256", "run.name=via-replica",
+                           "extract.block_writer=replica", "extract.writers_per_replica=2")
+    for cfg in (base, via_replica):
+        prepare(cfg)
+        assert extract(cfg, progress=False).total_samples == 16
+    a = {r["sample_id"]: r for r in _committed_rows(base)}
+    b = {r["sample_id"]: r for r in _committed_rows(via_replica)}
+    assert len(b) == len(_committed_rows(via_replica)) == 16 and sorted(a) == sorted(b)  # each sample once
+    man = storage.read_json(*_man(via_replica))
+    assert man["complete"] and len(man["blocks"]) > 2
+    for sid, r in a.items():
+        assert r["input_ids"] == b[sid]["input_ids"] and r["loss_mask"] == b[sid]["loss_mask"]
+        np.testing.assert_allclose(blocks.decode_states(b[sid]), blocks.decode_states(r), rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("block_writer", ["data_actor", "replica"])
+def test_extract_to_s3_on_local_endpoint(ray_session, tmp_path, make_cfg, s3_endpoint, block_writer):
     import boto3
 
     train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(8, seed=4))
-    cfg = make_cfg([train], f"run.endpoint_url={s3_endpoint}", storage="s3://eagle3ray/runs")
+    cfg = make_cfg([train], f"run.endpoint_url={s3_endpoint}", f"extract.block_writer={block_writer}",
+                   storage="s3://eagle3ray/runs")
     prepare(cfg)
     s = extract(cfg, progress=False)
     assert s.total_samples == 8

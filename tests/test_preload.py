@@ -38,3 +38,18 @@ def test_a_process_started_with_that_env_has_tcmalloc_loaded():
     code = "print('libtcmalloc' in open('/proc/self/maps').read())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
     assert out.stdout.strip() == "True", out.stderr
+
+
+def test_engine_actor_options_carry_resources_and_the_cpu_env(tmp_path, monkeypatch):
+    """Regeneration's and validation's engine actors get the same options: the verifier's CPUs/GPUs, and on CPU
+    the preload environment."""
+    from types import SimpleNamespace
+
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(machine, "TCMALLOC_PATHS", (str(lib),))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    cpu = SimpleNamespace(num_cpus=1.5, num_gpus=0, device="cpu")
+    assert machine.engine_actor_options(cpu) == {"num_cpus": 1.5, "runtime_env": {"env_vars": {"LD_PRELOAD": str(lib)}}}
+    gpu = SimpleNamespace(num_cpus=8, num_gpus=1, device="cuda")
+    assert machine.engine_actor_options(gpu) == {"num_cpus": 8, "num_gpus": 1}
