@@ -67,6 +67,10 @@ def cpu_by_process() -> dict[str, float]:
             role = cmd.split(" ")[0].rsplit("/", 1)[-1] if cmd else p.info["name"]
             if cmd.startswith("ray::"):
                 role = cmd.split(" ")[0]
+            elif "moto.server" in cmd:
+                role = "s3-server(moto)"
+            elif p.info["pid"] == os.getpid():
+                role = "driver"
             out[f"{p.info['pid']}:{role}"] = t.user + t.system
         except (psutil.NoSuchProcess, TypeError):
             continue
@@ -82,6 +86,13 @@ def roles(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
             role = k.split(":", 1)[1]
             out[role] = out.get(role, 0.0) + d
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def driver_uss_gb() -> float:
+    """This process's private memory (USS, GB): the object store's shared pages it has touched are not counted."""
+    import psutil
+
+    return psutil.Process().memory_full_info().uss / GB
 
 
 def machine_line() -> str:
@@ -319,12 +330,27 @@ def resume_bench(shape: str, storage_uri: str, endpoint: str | None, nblocks: in
         first.append(time.perf_counter())
         raise _FirstCommit  # measured: stop the stage here (the fake committed files are never read)
 
+    import logging
+
+    marks: list[str] = []
+
+    class _Marks(logging.Handler):
+        def emit(self, record):
+            marks.append(f"{time.perf_counter() - t0:.2f} s: {record.getMessage()}")
+
+    log = logging.getLogger("eagle3ray.extract")
+    handler, level = _Marks(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     t0 = time.perf_counter()
     try:
         extract(cfg, on_commit=on_commit, progress=False)
     except _FirstCommit:
         pass
-    out = {"blocks": nblocks, "build_s": built, "first_new_commit_s": first[0] - t0}
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    out = {"blocks": nblocks, "build_s": built, "first_new_commit_s": first[0] - t0, "stage_log": marks}
     remove_run(cfg)
     return out
 
@@ -396,7 +422,8 @@ def main() -> None:
                         bare.append(b)
                         print(f"  {shape} {st} {variant} round {r}: pipeline {p['tok_s']:,.0f} tok/s "
                               f"{p['mb_s']:.0f} MB/s ({p['window_blocks']} blocks timed), bare write "
-                              f"{b['mb_s']:.0f} MB/s; CPU s/GB by process: "
+                              f"{b['mb_s']:.0f} MB/s; driver private memory {driver_uss_gb():.2f} GB; "
+                              "CPU s/GB by process: "
                               + ", ".join(f"{k} {v:.2f}" for k, v in list(p["by_process_s_per_gb"].items())[:6]),
                               flush=True)
                     steps = steps_alone(cfg, args.unit_tokens, raw_bpt, max(args.rounds, 1))
@@ -434,8 +461,8 @@ def main() -> None:
                 r["storage"] = st
                 report["results"].append({"resume": r})
                 print(f"resume {st}: a run with {r['blocks']:,} committed blocks (built in {r['build_s']:.1f} s): "
-                      f"first new block committed {r['first_new_commit_s']:.2f} s after extract() was called",
-                      flush=True)
+                      f"first new block committed {r['first_new_commit_s']:.2f} s after extract() was called; "
+                      f"the stage's log: " + "; ".join(r["stage_log"]), flush=True)
     finally:
         if s3:
             s3[0].terminate()

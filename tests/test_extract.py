@@ -225,13 +225,13 @@ def test_extract_to_s3_on_local_endpoint(ray_session, tmp_path, make_cfg, s3_end
 
     train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(8, seed=4))
     cfg = make_cfg([train], f"run.endpoint_url={s3_endpoint}", f"extract.block_writer={block_writer}",
-                   storage="s3://eagle3ray/runs")
+                   storage=f"s3://eagle3ray/runs-{block_writer}")
     prepare(cfg)
     s = extract(cfg, progress=False)
     assert s.total_samples == 8
     keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint)
-            .list_objects_v2(Bucket="eagle3ray", Prefix="runs/t/")["Contents"]]
-    assert "runs/t/hidden_states/manifest.json" in keys and any("/blocks/part-" in k for k in keys)
+            .list_objects_v2(Bucket="eagle3ray", Prefix=f"runs-{block_writer}/t/")["Contents"]]
+    assert f"runs-{block_writer}/t/hidden_states/manifest.json" in keys and any("/blocks/part-" in k for k in keys)
     rows = _committed_rows(cfg)
     assert sorted(r["sample_id"] for r in rows) == sorted(f"chat:c{i}" for i in range(8))
     assert all(blocks.decode_states(r).shape[1:] == (4, 128) for r in rows)

@@ -102,3 +102,19 @@ def test_a_finished_manifest_alone_is_the_whole_truth(tmp_path):
     assert on_disk["complete"] and len(on_disk["blocks"]) == 3 and not fs.ls(f"{root}/commits")
     with pytest.raises(FileNotFoundError):
         blocks.read_committed(fs, f"{root}/elsewhere")
+
+
+def test_a_resume_checks_many_recent_blocks_from_one_listing_and_still_names_each_bad_one(tmp_path, monkeypatch):
+    """More than 16 blocks committed since the snapshot: the size check lists blocks/ once (no per-block HEAD on an
+    object store) and still names a missing and a truncated block."""
+    fs, root, man = _open(tmp_path)
+    _touch_blocks(fs, root, 40)
+    for i in range(40):
+        man.commit(_entry(i), [f"s{i}-a", f"s{i}-b"], {})
+    fs.rm(f"{root}/blocks/part-7.parquet")
+    fs.pipe_file(f"{root}/blocks/part-9.parquet", b"x" * 60)
+    monkeypatch.setattr(blocks, "verify_block", lambda *a, **k: pytest.fail("a check per block"))
+    with pytest.raises(blocks.CorruptBlocks) as e:
+        blocks.Manifest.open(fs, root, _fresh(), "m")
+    assert set(e.value.problems) == {"blocks/part-7.parquet", "blocks/part-9.parquet"}
+    assert e.value.problems["blocks/part-7.parquet"] == "missing" and "60 bytes" in e.value.problems["blocks/part-9.parquet"]
