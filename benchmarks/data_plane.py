@@ -214,14 +214,16 @@ def idle_cpu_rate(seconds: float = 3.0) -> float:
 
 
 def bare_write_round(cfg, nblocks: int, raw_bpt: int) -> dict:
-    """The run's first committed block file written ``nblocks`` times by a plain loop (same storage, same write)."""
+    """The run's largest committed block file (a full unit, not the smaller probe unit that comes first) written
+    ``nblocks`` times by a plain loop (same storage, same write)."""
     from eagle3ray import blocks, storage
 
     paths = storage.run_paths(cfg)
     man, files = blocks.read_committed(paths.fs, paths.hidden_states)
-    with paths.fs.open(files[0], "rb") as f:
+    k = max(range(len(files)), key=lambda i: man["blocks"][i]["bytes"])
+    with paths.fs.open(files[k], "rb") as f:
         buf = f.read()
-    raw_gb = nblocks * man["blocks"][0]["tokens"] * raw_bpt / GB
+    raw_gb = nblocks * man["blocks"][k]["tokens"] * raw_bpt / GB
     c0, t0 = cpu_seconds(), time.perf_counter()
     for i in range(nblocks):
         storage.write_bytes_atomic(paths.fs, f"{paths.root}/bare/part-{i:05d}.parquet", buf)

@@ -360,16 +360,17 @@ def _load(fs, hs_root: str) -> tuple[dict | None, list[str], int]:
     except FileNotFoundError:
         files = []
     newer = [f for f in files if _seq(f) > seen]
-    # one batched read (s3fs fetches the files concurrently; a resume of 10,000 blocks had 1,808 to read,
-    # benchmarks/data_plane.py); a file gone meanwhile (swept by a rewrite) is left out
-    raw = fs.cat(newer, on_error="omit") if newer else {}
-    by_name = {k.rstrip("/").rsplit("/", 1)[-1]: v for k, v in raw.items()}
+    # read concurrently (a resume of 10,000 blocks had 1,808 to read on an object store, benchmarks/data_plane.py);
+    # only a file gone meanwhile (swept by a rewrite) is skipped, any other error is raised
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        records = list(pool.map(lambda f: storage.read_json(fs, f), newer))
     pending = []
-    for f in newer:
-        body = by_name.get(f.rstrip("/").rsplit("/", 1)[-1])
-        if body is None:
+    for f, rec in zip(newer, records):
+        if rec is None:
             continue
-        _apply(data, json.loads(body))
+        _apply(data, rec)
         pending.append(f)
         last = max(last, _seq(f))
     return data, pending, last
@@ -470,6 +471,7 @@ class Manifest:
     def remove_orphans(self) -> int:
         """Delete the files under ``blocks/`` that the manifest does not list; returns how many."""
         committed = {b["path"] for b in self.data["blocks"]}
+        self.fs.invalidate_cache(f"{self.root}/blocks")  # s3fs caches listings: blocks replicas wrote since
         try:
             files = self.fs.ls(f"{self.root}/blocks", detail=False)
         except FileNotFoundError:
@@ -488,6 +490,7 @@ class Manifest:
         from concurrent.futures import ThreadPoolExecutor
 
         entries = list(self.data["blocks"] if entries is None else entries)
+        self.fs.invalidate_cache(f"{self.root}/blocks")  # s3fs answers sizes from cached listings otherwise
         if not sha256 and len(entries) > 16:
             return self._sizes_from_listing(entries)
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
@@ -497,6 +500,7 @@ class Manifest:
     def _sizes_from_listing(self, entries: list[dict]) -> dict[str, str]:
         """:meth:`verify` without sha256 from one listing of ``blocks/`` (a few LIST calls on an object store, where a
         size check per block is one HEAD each: a resume of 10,000 blocks, benchmarks/data_plane.py)."""
+        self.fs.invalidate_cache(f"{self.root}/blocks")  # s3fs caches listings: blocks other processes wrote since
         try:
             listed = self.fs.ls(f"{self.root}/blocks", detail=True)
         except FileNotFoundError:

@@ -293,6 +293,9 @@ class ExtractSection(_Strict):
         "Each encodes, compresses and writes one block at a time on one core, about 6 CPU s per GB of raw bf16 "
         "states where it was measured (benchmarks/data_plane.py, docs/results.md): a replica producing G GB/s needs "
         "about 6 x G writers to keep up.")
+    writer_num_cpus: float = Field(
+        0.1, gt=0, description="Logical CPUs Ray reserves per block-writer actor. A writer busy at full rate uses "
+        "a whole core (the GPU configs reserve 1); the CPU config keeps 0.1 so its writer fits beside the replica.")
     tmp_dir: str = Field("/dev/shm", description="Scratch directory of the engine's hidden-state connector.")
     max_unit_retries: int = Field(
         3, ge=0, description="Times a unit is re-sent after its verifier replica (or node) died mid-call.")

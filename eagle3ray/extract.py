@@ -244,7 +244,7 @@ def _written_blocks(items: list[dict], writer_kwargs: dict, cfg):
         try:
             if len(items) > 1:
                 ds = ray.data.from_items(items[1:], override_num_blocks=min(len(items) - 1, 200)).map_batches(
-                    BlockWriter, fn_constructor_kwargs=writer_kwargs, batch_size=1, num_cpus=0.1,
+                    BlockWriter, fn_constructor_kwargs=writer_kwargs, batch_size=1, num_cpus=cfg.extract.writer_num_cpus,
                     compute=ray.data.ActorPoolStrategy(
                         min_size=cfg.extract.min_replicas * cfg.extract.writers_per_replica,
                         max_size=cfg.extract.max_replicas * cfg.extract.writers_per_replica))

@@ -118,3 +118,29 @@ def test_a_resume_checks_many_recent_blocks_from_one_listing_and_still_names_eac
         blocks.Manifest.open(fs, root, _fresh(), "m")
     assert set(e.value.problems) == {"blocks/part-7.parquet", "blocks/part-9.parquet"}
     assert e.value.problems["blocks/part-7.parquet"] == "missing" and "60 bytes" in e.value.problems["blocks/part-9.parquet"]
+
+
+def test_blocks_written_by_another_process_are_seen_on_s3_despite_cached_listings(s3_endpoint):
+    """s3fs caches a folder's listing; on a resume, blocks a replica wrote after the driver's orphan sweep listed
+    blocks/ must still be found by the size check and the end sweep (extract.block_writer: replica writes them
+    from another process). Fails with 20 blocks reported missing when the listings are not refreshed."""
+    import s3fs
+
+    fs, root = storage.filesystem("s3://eagle3ray/cache", s3_endpoint)
+    hs = f"{root}/hs"
+    other = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    man = blocks.Manifest.open(fs, hs, _fresh(), "m")
+    man.set_rejected({}, {})
+    for i in range(20):
+        other.pipe_file(f"{hs}/blocks/part-{i}.parquet", b"x" * 100)
+        man.commit(_entry(i), [f"s{i}"], {})
+    fs.invalidate_cache()  # a resumed driver starts with no cached listing
+    man = blocks.Manifest.open(fs, hs, _fresh(), "m")
+    assert man.remove_orphans() == 0  # lists blocks/, and s3fs caches that listing
+    for i in range(20, 40):  # written by a replica after the listing, committed by the driver
+        other.pipe_file(f"{hs}/blocks/part-{i}.parquet", b"x" * 100)
+        man.commit(_entry(i), [f"s{i}"], {})
+    other.pipe_file(f"{hs}/blocks/part-orphan.parquet", b"y")  # a block whose reply was lost
+    assert man.verify(sha256=False) == {}
+    assert blocks.verify_block(fs, hs, _entry(25), False) is None
+    assert man.remove_orphans() == 1 and not other.exists(f"{hs}/blocks/part-orphan.parquet")
