@@ -500,8 +500,7 @@ class Manifest:
     def _sizes_from_listing(self, entries: list[dict]) -> dict[str, str]:
         """:meth:`verify` without sha256 from one listing of ``blocks/`` (a few LIST calls on an object store, where a
         size check per block is one HEAD each: a resume of 10,000 blocks, benchmarks/data_plane.py)."""
-        self.fs.invalidate_cache(f"{self.root}/blocks")  # s3fs caches listings: blocks other processes wrote since
-        try:
+        try:  # verify() has refreshed the cached listing
             listed = self.fs.ls(f"{self.root}/blocks", detail=True)
         except FileNotFoundError:
             listed = []

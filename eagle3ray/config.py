@@ -290,9 +290,9 @@ class ExtractSection(_Strict):
         "manifest entry; the engine waits for the write). Measured: benchmarks/data_plane.py, docs/results.md.")
     writers_per_replica: int = Field(
         1, ge=1, description="Ray Data block-writer actors per verifier replica (extract.block_writer: data_actor). "
-        "Each encodes, compresses and writes one block at a time on one core, about 6 CPU s per GB of raw bf16 "
+        "Each encodes, compresses and writes one block at a time on one core, 6-9 CPU s per GB of raw bf16 "
         "states where it was measured (benchmarks/data_plane.py, docs/results.md): a replica producing G GB/s needs "
-        "about 6 x G writers to keep up.")
+        "about 6-9 x G writers to keep up.")
     writer_num_cpus: float = Field(
         0.1, gt=0, description="Logical CPUs Ray reserves per block-writer actor. A writer busy at full rate uses "
         "a whole core (the GPU configs reserve 1); the CPU config keeps 0.1 so its writer fits beside the replica.")
