@@ -469,14 +469,16 @@ class Manifest:
         return self._ids
 
     def remove_orphans(self) -> int:
-        """Delete the files under ``blocks/`` that the manifest does not list; returns how many."""
+        """Delete the files under ``blocks/`` that the manifest does not list, and temp files a killed writer left
+        in the manifest's folders (:func:`eagle3ray.storage.remove_temp_files`); returns how many."""
         committed = {b["path"] for b in self.data["blocks"]}
+        temps = sum(storage.remove_temp_files(self.fs, d) for d in (self.root, f"{self.root}/{COMMITS_DIR}"))
         self.fs.invalidate_cache(f"{self.root}/blocks")  # s3fs caches listings: blocks replicas wrote since
         try:
             files = self.fs.ls(f"{self.root}/blocks", detail=False)
         except FileNotFoundError:
-            return 0
-        removed = 0
+            return temps
+        removed = temps
         for f in files:
             rel = "blocks/" + f.rstrip("/").rsplit("/", 1)[-1]
             if rel not in committed:

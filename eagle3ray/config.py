@@ -257,6 +257,10 @@ class DataSection(_Strict):
         "but faster decoding on CPU (benchmarks/regenerate.py). Same greedy answers either way.",
     )
     max_new_tokens: int = Field(192, ge=1, description="Regeneration: new tokens per answer.")
+    regenerate_timeout_s: float = Field(
+        3600.0, gt=0, description="Seconds one regeneration chunk (verifier.max_num_seqs prompts) may take: past it "
+        "the engine counts as hung (the service replica fails its health check and is replaced; a dedicated engine "
+        "is restarted) and the chunk is retried, up to twice; then prepare stops naming the chunk.")
     temperature: float = Field(0.0, ge=0, description="Regeneration sampling temperature (0 = greedy).")
     tokens_per_sample_estimate: int = Field(
         1024, ge=1, description="Preflight only: tokens per conversation for the storage estimate before prepare "
@@ -298,7 +302,14 @@ class ExtractSection(_Strict):
         "a whole core (the GPU configs reserve 1); the CPU config keeps 0.1 so its writer fits beside the replica.")
     tmp_dir: str = Field("/dev/shm", description="Scratch directory of the engine's hidden-state connector.")
     max_unit_retries: int = Field(
-        3, ge=0, description="Times a unit is re-sent after its verifier replica (or node) died mid-call.")
+        3, ge=0, description="Times a unit is re-sent after its verifier replica (or node) died mid-call, or it "
+        "timed out (extract.unit_timeout_s). A unit whose replica died twice is split instead; a sample that kills "
+        "the engine alone is rejected (engine_crash).")
+    unit_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds one unit's engine call may run: past it the replica fails its health "
+        "check and Serve replaces it (a hung engine), and the unit is retried. The client waits this long times "
+        "(extract.writers_per_replica + 1), since a unit may queue behind other writers' units. Set it well above a "
+        "unit's engine time (max_tokens_per_batch / the replica's prefill tokens/s).")
     audit_samples: int = Field(
         2, ge=0, description="Committed samples whose states are recomputed with a transformers forward of the "
         "verifier (float32, CPU) and compared per layer id before the extraction is marked complete; a layer off "
@@ -431,6 +442,10 @@ class ValidateSection(_Strict):
         default_factory=list, description="Other speculators-format draft folders (for the same verifier) validated "
         "on the same prompts and settings, shown beside the run's draft in the report (`validate --draft DIR`).")
     max_num_seqs: int = Field(40, ge=1, description="Sequences in flight (same for both engines).")
+    call_timeout_s: float = Field(
+        3600.0, gt=0, description="Seconds one validation engine call (an engine's load, or decoding every prompt "
+        "at one temperature) may take; past it the stage stops naming the call, the engine is killed (a hung engine "
+        "would otherwise block the stage forever without a log line).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         None, description="Compute dtype of the engines that measure acceptance and speed; null = verifier.dtype.")
     greedy_check_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(

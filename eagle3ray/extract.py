@@ -125,27 +125,51 @@ def plan_units(samples: list[dict], max_tokens: int) -> list[list[dict]]:
     return list(pack_by_tokens(samples, max_tokens, lambda s: len(s["input_ids"])))
 
 
-class BlockWriter:
-    """Ray Data callable class: one unit -> verifier service -> one Parquet block (not yet committed).
+#: Replica deaths during one unit's call after which the unit is split in halves (a single sample: rejected as
+#: ``engine_crash``). One death is retried whole: a lost node is not the unit's fault.
+DEATHS_BEFORE_SPLIT = 2
 
-    A unit whose call fails because its replica or node died (``RayActorError``, ``ActorUnavailableError``) or
-    its engine failed (the replica then fails Serve's health check and is replaced:
-    :class:`eagle3ray.verifier_service.VerifierDeployment`) is sent again, up to ``max_retries`` times with a
-    growing pause; Serve routes it to a live replica (or the replacement it starts). ``VerifierError`` (bad
-    input, a wrong output) is not retried.
+#: The columns of :class:`BlockWriter`'s rows.
+ROW_COLUMNS = ("path", "rows", "tokens", "bytes", "sha256", "sample_ids", "seconds", "retries", "crashed")
+
+
+class UnitTimeout(TimeoutError):
+    """A unit got no answer from the verifier service within its timeout, on every attempt."""
+
+
+class BlockWriter:
+    """Ray Data callable class: one unit -> verifier service -> Parquet blocks (not yet committed).
+
+    Faults (issue 16; docs/faults.md):
+
+    - a call whose replica or node died (``RayActorError``, ``ActorUnavailableError``) or whose engine failed (the
+      replica then fails Serve's health check and is replaced: :class:`eagle3ray.verifier_service.VerifierDeployment`)
+      is sent again, up to ``max_retries`` times with a growing pause; Serve routes it to a live replica (or the
+      replacement it starts). ``VerifierError`` (bad input, a wrong output) is not retried;
+    - a call with no answer within ``unit_timeout_s`` x (``queue_depth`` + 1) seconds (the unit may wait behind
+      ``queue_depth`` others for its replica) is given up and retried the same way; the replica itself fails its
+      health check once the engine call has run ``unit_timeout_s`` (its deadline), and Serve replaces it. When every
+      attempt timed out, :class:`UnitTimeout` names the unit and the setting;
+    - a unit whose replica died :data:`DEATHS_BEFORE_SPLIT` times (a sample that crashes the engine) is split in
+      halves, each sent on its own; a sample that still kills its replica alone is not retried again but returned as
+      a ``crashed`` row (no block; the driver counts it as ``engine_crash``). So one poisonous sample costs about
+      2 log2(unit samples) + 2 replica restarts, and every other sample of its unit is extracted.
 
     ``block_writer`` (``extract.block_writer``): ``data_actor`` has the states sent back through Ray's object store
     and writes the block here; ``replica`` has the replica write it and send back only the entry
-    (:meth:`eagle3ray.verifier_service.VerifierDeployment.extract_block`). Either way the block is a fresh file that
+    (:meth:`eagle3ray.verifier_service.VerifierDeployment.extract_block`). Either way a block is a fresh file that
     only the driver's commit makes part of the run.
 
-    Returns one row per unit: path (relative to hidden_states/), rows, tokens, bytes, sha256,
-    sample_ids (the ids written, in block order), seconds (engine + write wall time), retries.
+    Returns one row per block written (a unit split by crashes gives several; one row per crashed sample):
+    :data:`ROW_COLUMNS`: path (relative to hidden_states/; "" for a crashed sample), rows, tokens, bytes, sha256,
+    sample_ids (the ids written, in block order; the crashed sample's id), seconds (engine + write wall time),
+    retries, crashed (bool).
     """
 
     def __init__(self, app: str, storage_uri: str, endpoint_url: str | None, hs_root: str,
                  storage_dtype: str, compression: str, max_retries: int = 3,
-                 retry_pause_s: float = 2.0, block_writer: str = "data_actor"):
+                 retry_pause_s: float = 2.0, block_writer: str = "data_actor", unit_timeout_s: float = 600.0,
+                 queue_depth: int = 1):
         from ray import serve
 
         self.handle = serve.get_app_handle(app)
@@ -157,47 +181,85 @@ class BlockWriter:
         self.max_retries = max_retries
         self.retry_pause_s = retry_pause_s
         self.block_writer = block_writer
+        self.unit_timeout_s = unit_timeout_s
+        self.wait_s = unit_timeout_s * (queue_depth + 1)
 
     def _request(self, samples: list[dict]):
         """One remote call for the unit: states back (``data_actor``) or the replica's block entry (``replica``)."""
         if self.block_writer == "replica":
             return self.handle.extract_block.remote(samples, self.storage_dtype, self.storage_uri,
-                                                    self.endpoint_url, self.hs_root, self.compression)
+                                                    self.endpoint_url, self.hs_root, self.compression,
+                                                    self.unit_timeout_s)
         req = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"]} for s in samples]
-        return self.handle.extract.remote(req, self.storage_dtype)
+        return self.handle.extract.remote(req, self.storage_dtype, self.unit_timeout_s)
 
     def _call(self, samples: list[dict]):
-        from ray.exceptions import ActorUnavailableError, RayActorError
+        """(answer, retries) of one unit's call; ``(None, retries)`` after :data:`DEATHS_BEFORE_SPLIT` replica
+        deaths (the caller splits the unit). Raises VerifierError, :class:`UnitTimeout` or RuntimeError (see the
+        class docstring)."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         from .verifier import VerifierError
 
+        unit = f"unit {samples[0]['sample_id']}..{samples[-1]['sample_id']} ({len(samples)} samples)"
+        deaths = timeouts = 0
         for attempt in range(self.max_retries + 1):
+            resp = self._request(samples)
             try:
-                return self._request(samples).result(), attempt
+                return resp.result(timeout_s=self.wait_s), attempt
             except VerifierError:
                 raise  # bad input or a wrong output: retrying gives the same
+            except TimeoutError as e:
+                resp.cancel()
+                timeouts += 1
+                err: Exception = e
+                why = (f"no answer in {self.wait_s:.0f} s (extract.unit_timeout_s {self.unit_timeout_s:.0f} s per "
+                       "engine call; its replica fails its health check and is replaced)")
             except (RayActorError, ActorUnavailableError, RuntimeError) as e:  # a dead, broken or unhealthy replica
-                if attempt == self.max_retries:
-                    raise RuntimeError(f"unit {samples[0]['sample_id']}..{samples[-1]['sample_id']}: verifier "
-                                       f"replica failed {attempt + 1} times; last: {type(e).__name__}: {e}") from e
-                log.warning("unit %s: replica failed (%s); retry %d/%d", samples[0]["sample_id"],
-                            type(e).__name__, attempt + 1, self.max_retries)
-                time.sleep(self.retry_pause_s * (attempt + 1))
+                err = e
+                if isinstance(e, ActorDiedError):
+                    deaths += 1
+                    if deaths >= DEATHS_BEFORE_SPLIT:
+                        log.warning("%s: its replica died %d times; splitting it to find the sample that kills "
+                                    "the engine", unit, deaths)
+                        return None, attempt
+                why = f"replica failed ({type(e).__name__}: {str(e)[:300]})"
+            if attempt == self.max_retries:
+                if timeouts == attempt + 1:
+                    raise UnitTimeout(f"{unit}: {why}, on all {attempt + 1} attempts; raise extract.unit_timeout_s "
+                                      "if the engine is only slow, or look at the replica's log") from err
+                raise RuntimeError(f"{unit}: verifier replica failed {attempt + 1} times; last: {why}") from err
+            log.warning("%s: %s; retry %d/%d", unit, why, attempt + 1, self.max_retries)
+            time.sleep(self.retry_pause_s * (attempt + 1))
         raise AssertionError("unreachable")
 
+    def _blocks(self, samples: list[dict]) -> list[dict]:
+        """Rows (see the class docstring) for ``samples``, splitting the unit when it kills its replicas."""
+        t0 = time.time()
+        got, retries = self._call(samples)
+        if got is None:
+            if len(samples) == 1:
+                log.error("sample %s kills the verifier engine: rejected (engine_crash)", samples[0]["sample_id"])
+                return [{"path": "", "rows": 0, "tokens": 0, "bytes": 0, "sha256": "",
+                         "sample_ids": [samples[0]["sample_id"]], "seconds": time.time() - t0,
+                         "retries": retries + 1, "crashed": True}]
+            half = len(samples) // 2
+            rows = self._blocks(samples[:half]) + self._blocks(samples[half:])
+            rows[0]["retries"] += retries + 1
+            return rows
+        entry = got if self.block_writer == "replica" else blocks.write_unit_block(
+            self.fs, self.hs_root, samples, got, self.storage_dtype, self.compression)
+        return [{**{k: entry[k] for k in ROW_COLUMNS[:6]}, "seconds": time.time() - t0, "retries": retries,
+                 "crashed": False}]
+
     def __call__(self, batch: dict) -> dict:
-        out = {k: [] for k in ("path", "rows", "tokens", "bytes", "sha256", "sample_ids", "seconds", "retries")}
+        out: dict[str, list] = {k: [] for k in ROW_COLUMNS}
         for sample_ids, input_ids, loss_mask in zip(batch["sample_ids"], batch["input_ids"], batch["loss_mask"]):
-            t0 = time.time()
             samples = [{"sample_id": str(s), "input_ids": [int(x) for x in i], "loss_mask": [int(x) for x in m]}
                        for s, i, m in zip(sample_ids, input_ids, loss_mask)]
-            got, retries = self._call(samples)
-            entry = got if self.block_writer == "replica" else blocks.write_unit_block(
-                self.fs, self.hs_root, samples, got, self.storage_dtype, self.compression)
-            for k in ("path", "rows", "tokens", "bytes", "sha256", "sample_ids"):
-                out[k].append(entry[k])
-            out["seconds"].append(time.time() - t0)
-            out["retries"].append(retries)
+            for row in self._blocks(samples):
+                for k in ROW_COLUMNS:
+                    out[k].append(row[k])
         return out
 
 
@@ -234,7 +296,8 @@ def _written_blocks(items: list[dict], writer_kwargs: dict, cfg):
     def first() -> None:
         try:
             out = BlockWriter(**writer_kwargs)({k: [v] for k, v in items[0].items()})
-            q.put(("row", {k: v[0] for k, v in out.items()}))
+            for i in range(len(out["path"])):
+                q.put(("row", {k: v[i] for k, v in out.items()}))
         except BaseException as e:  # noqa: BLE001 - handed to the committing thread
             q.put(("error", e))
         finally:
@@ -305,6 +368,12 @@ def _commit_blocks(cfg, manifest: blocks.Manifest, rows, *, app: str, rejected: 
             log.info("extract: first block written, %.2f s into the stage", time.time() - t_start)
         summary.retries += int(row.get("retries", 0))
         ids = [str(i) for i in row["sample_ids"]]
+        if row.get("crashed"):  # killed its replica alone: never committed, so a later run tries it again
+            rejected.add("engine_crash", ids[0], f"the verifier engine's process died on this sample "
+                         f"{DEATHS_BEFORE_SPLIT} times")
+            manifest.set_rejected(manifest.data["rejected"].get("prepare", {}), rejected.to_json())
+            bar.update(1)
+            continue
         dup = manifest.commit(row, ids, rejected.to_json())
         if dup:  # a retried unit whose first attempt was committed: keep the first
             rejected.add("duplicate", dup[0], f"block {row['path']} repeats {len(dup)} committed samples; discarded")
@@ -377,7 +446,8 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
         writer_kwargs = dict(app=app_name(spec), storage_uri=cfg.run.storage, endpoint_url=cfg.run.endpoint_url,
                              hs_root=hs_root, storage_dtype=cfg.extract.storage_dtype,
                              compression=cfg.extract.compression, max_retries=cfg.extract.max_unit_retries,
-                             block_writer=cfg.extract.block_writer)
+                             block_writer=cfg.extract.block_writer, unit_timeout_s=cfg.extract.unit_timeout_s,
+                             queue_depth=cfg.extract.writers_per_replica)
         _commit_blocks(cfg, manifest, _written_blocks(items, writer_kwargs, cfg), app=writer_kwargs["app"],
                        rejected=rejected, summary=summary, total=sum(len(u) for u in units), progress=progress,
                        t_start=t_start, on_commit=on_commit)

@@ -11,8 +11,9 @@ would each rewrite the manifests and delete the other's blocks. Every stage that
   checking that the lease on storage is still its own;
 - **release**: the lease is deleted when the stage ends (normally or by an exception);
 - **refuse**: a second writer finds the lease and raises :class:`LeaseHeld`, naming the holder and how to take
-  over; **take over**: a lease not renewed for ``ttl`` seconds (its holder was killed, or its node lost) is
-  removed and acquired anew by the next writer, which logs whose lease it took.
+  over; **take over**: a lease not renewed for ``ttl`` seconds (its holder was killed, or its node lost), or one
+  whose holder ran on this host and whose process is gone (a driver SIGKILLed here), is removed and acquired anew
+  by the next writer, which logs whose lease it took.
 
 Limits: taking over an expired lease is read-check-delete-create, so two writers that find the same expired
 lease at the same instant may both delete it; the exclusive create then lets only one of them in, unless the
@@ -84,6 +85,21 @@ def _read(fs, path: str) -> dict | None:
         return {"host": "?", "pid": "?", "since": time.time(), "renewed_at": time.time(), "token": "?"}
 
 
+def _holder_gone(h: dict) -> bool:
+    """True when the holder ran on this host and its process no longer exists (a driver SIGKILLed or OOM-killed
+    here): its lease is taken over at once instead of after its ttl. False for any other host (a pod, a node:
+    only the ttl can tell), and when the pid exists, even if reused by another process (the safe side)."""
+    if h.get("host") != socket.gethostname() or not isinstance(h.get("pid"), int) or h["pid"] == os.getpid():
+        return False
+    try:
+        os.kill(h["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, another user's
+        return False
+    return False
+
+
 def describe(h: dict) -> str:
     age = time.time() - float(h.get("renewed_at", 0))
     job = f", Ray job {h['ray_job_id']}" if h.get("ray_job_id") else ""
@@ -107,14 +123,15 @@ def acquire(paths: storage.RunPaths, stage: str, ttl_s: float = DEFAULT_TTL_S) -
         other = _read(fs, path)
         if other is None:  # released between our create and our read: try again
             continue
-        if time.time() - float(other.get("renewed_at", 0)) <= ttl_s:
+        if time.time() - float(other.get("renewed_at", 0)) <= ttl_s and not _holder_gone(other):
             raise LeaseHeld(
                 f"{paths.uri}: another writer holds this run ({describe(other)}). Two writers would delete each "
                 f"other's blocks. Wait for it, stop it (`ray job stop <id>` or kill pid {other.get('pid')} on "
                 f"{other.get('host')}), or, if it is gone, its lease expires {ttl_s:.0f} s after its last renewal "
                 f"and the next command takes over; to take over now, delete {paths.uri}/{LEASE_FILE}.")
         if _read(fs, path) == other:  # still the same expired lease: remove it, then race for a fresh create
-            log.warning("%s: taking over an expired lease (%s)", paths.uri, describe(other))
+            log.warning("%s: taking over %s lease (%s)", paths.uri,
+                        "a dead process's" if _holder_gone(other) else "an expired", describe(other))
             try:
                 fs.rm_file(path)
             except FileNotFoundError:

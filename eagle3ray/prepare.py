@@ -205,9 +205,34 @@ def answer_engine(cfg, spec):
     if d.regenerate_engine == "service" or v.engine == "stand_in":
         from .verifier_service import start_for_config
 
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        from .verifier import VerifierError
+
         handle = start_for_config(cfg)
-        yield lambda prompts, seed: [o["text"] for o in handle.generate.remote(
-            prompts, d.max_new_tokens, d.temperature, seed).result()]
+
+        def on_service(prompts, seed):
+            for attempt in range(REGENERATE_RETRIES + 1):
+                resp = handle.generate.remote(prompts, d.max_new_tokens, d.temperature, seed, d.regenerate_timeout_s)
+                try:
+                    return [o["text"] for o in resp.result(timeout_s=d.regenerate_timeout_s + 60)]
+                except VerifierError:
+                    raise
+                except (RayActorError, ActorUnavailableError, RuntimeError, TimeoutError) as e:
+                    # a dead, broken, unhealthy or hung replica: Serve replaces it; the chunk is sent again
+                    if isinstance(e, TimeoutError):
+                        resp.cancel()
+                    why = (f"no answer in {d.regenerate_timeout_s + 60:.0f} s (data.regenerate_timeout_s)"
+                           if isinstance(e, TimeoutError) else f"{type(e).__name__}: {str(e)[:300]}")
+                    if attempt == REGENERATE_RETRIES:
+                        raise RuntimeError(f"regeneration chunk of {len(prompts)} prompts failed {attempt + 1} times "
+                                           f"on the verifier service; last: {why}") from e
+                    log.warning("regeneration chunk of %d prompts: verifier replica failed (%s); retry %d/%d",
+                                len(prompts), why, attempt + 1, REGENERATE_RETRIES)
+                    time.sleep(2.0 * (attempt + 1))
+            raise AssertionError("unreachable")
+
+        yield on_service
         return
     from .serving_engine import ServingEngine
 
@@ -231,14 +256,20 @@ def answer_engine(cfg, spec):
     eng = [start()]
 
     def generate(prompts, seed):
+        from ray.exceptions import GetTimeoutError
+
         for attempt in range(REGENERATE_RETRIES + 1):
             try:
-                return ray.get(eng[0].generate.remote(prompts, d.max_new_tokens, d.temperature, seed=seed))["texts"]
-            except RayActorError as e:  # the engine's process died (OOM, node lost): a new one redoes the chunk
+                return ray.get(eng[0].generate.remote(prompts, d.max_new_tokens, d.temperature, seed=seed),
+                               timeout=d.regenerate_timeout_s)["texts"]
+            except (RayActorError, GetTimeoutError) as e:  # died (OOM, node lost) or hung: a new one redoes the chunk
                 if attempt == REGENERATE_RETRIES:
-                    raise
-                log.warning("regeneration engine died (%s); restarting it and retrying the chunk of %d prompts "
+                    raise RuntimeError(f"regeneration chunk of {len(prompts)} prompts failed {attempt + 1} times on "
+                                       f"a dedicated engine; last: {type(e).__name__} (data.regenerate_timeout_s "
+                                       f"{d.regenerate_timeout_s:.0f} s)") from e
+                log.warning("regeneration engine failed (%s); restarting it and retrying the chunk of %d prompts "
                             "(%d/%d)", type(e).__name__, len(prompts), attempt + 1, REGENERATE_RETRIES)
+                ray.kill(eng[0])
                 eng[0] = start()
 
     try:

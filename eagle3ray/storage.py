@@ -62,17 +62,39 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old content or the new one, never a part."""
+    """Write ``data`` to ``path`` so that readers see the old content or the new one, never a part.
+
+    Local disk: a temp file beside ``path``, fsynced, then renamed over it; the temp file is removed when the write
+    fails (ENOSPC), so a failed write leaves nothing. A process killed mid-write can still leave ``*.tmp-*``:
+    :func:`remove_temp_files` sweeps them. Object stores: one PUT (atomic per object)."""
     if is_local(fs):
         fs.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # a full disk, an interrupt: no half-written temp file is left behind
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
     else:
         fs.pipe_file(path, data)
+
+
+def remove_temp_files(fs: fsspec.AbstractFileSystem, folder: str) -> int:
+    """Delete the ``*.tmp-*`` files :func:`write_bytes_atomic` left in ``folder`` (a process killed mid-write);
+    returns how many. Call it only while holding the run's writer lease (no other writer's temp file is live)."""
+    if not is_local(fs) or not fs.exists(folder):
+        return 0
+    stale = [f for f in fs.ls(folder, detail=False) if ".tmp-" in f.rsplit("/", 1)[-1]]
+    for f in stale:
+        fs.rm(f)
+    return len(stale)
 
 
 def append_line(fs: fsspec.AbstractFileSystem, path: str, line: str) -> None:

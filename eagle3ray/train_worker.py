@@ -297,9 +297,31 @@ class WorkerCheckpoint:
         draft_trainable.safetensors  rank 0: the draft's trainable weights (fc, decoder layer, norms, lm_head)
         trainer_state.pt             rank 0: {"optimizer", "scheduler", "step", "epoch", "torch_rng"}
         data_rank<r>.json            every rank r: {"epoch", "consumed": [sample ids rank r consumed this epoch]}
+        step.json                    rank 0, written last: {"step", "epoch", "world"}
 
     The data position is kept per sample, not per rank, so a run may resume with another number of workers.
+    ``step.json`` lets a new driver find the newest checkpoint on storage without Ray Train's own record
+    (:func:`eagle3ray.train.latest_checkpoint_on_storage`): a driver killed between a checkpoint's upload and
+    Ray Train's snapshot of it would otherwise resume from the one before, or from nothing.
     """
+
+    @staticmethod
+    def newer(ray_ckpt, stored: tuple[int, str] | None, fs):
+        """The checkpoint to resume from: Ray Train's (``ray_ckpt``, or None) or ``stored`` ((step, path) from
+        :func:`eagle3ray.train.latest_checkpoint_on_storage`, or None), whichever holds the later step."""
+        if stored is None:
+            return ray_ckpt
+        import ray.train
+
+        if ray_ckpt is not None:
+            with ray_ckpt.as_directory() as d:
+                p = os.path.join(d, "step.json")
+                ray_step = json.load(open(p))["step"] if os.path.exists(p) else -1
+            if ray_step >= stored[0]:
+                return ray_ckpt
+        log.info("resuming from %s (step %d): newer than Ray Train's record of its checkpoints", stored[1],
+                 stored[0])
+        return ray.train.Checkpoint(stored[1], filesystem=fs)
 
     @staticmethod
     def restore(ckpt, step: DraftStep) -> DataPosition | None:
@@ -348,6 +370,11 @@ class WorkerCheckpoint:
                        os.path.join(d, STATE_FILE))
         with open(os.path.join(d, f"data_rank{rank}.json"), "w") as f:
             json.dump({"epoch": epoch, "consumed": sorted(mine)}, f)
+        if rank == 0:
+            import ray.train
+
+            with open(os.path.join(d, "step.json"), "w") as f:
+                json.dump({"step": n_steps, "epoch": epoch, "world": ray.train.get_context().get_world_size()}, f)
 
 
 # ------------------------------------------------------------------------------------------------ hooks
@@ -471,7 +498,10 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(tc["seed"])  # same init on every rank
     step = DraftStep.build(tc, config["verifier_path"], config["aux_layer_ids"], config["d2t"], config["t2d"],
                            config["hidden_size"], config["autocast_bf16"])
-    resumed = WorkerCheckpoint.restore(ray.train.get_checkpoint(), step)
+    stored = config.get("stored_checkpoint")
+    ckpt = WorkerCheckpoint.newer(ray.train.get_checkpoint(), tuple(stored) if stored else None,
+                                  config.get("arrow_fs"))
+    resumed = WorkerCheckpoint.restore(ckpt, step)
     step.to_device(device, ray.train.torch.prepare_model if world > 1 else None)
     comm, hooks = _Collective(world, device), config.get("hooks") or WorkerHooks()
     hooks.start(rank)

@@ -327,8 +327,20 @@ def validate(cfg, force: bool = False) -> ValidateReport:
         """One engine (with ``draft`` or none) at compute dtype dt: its generate() result at each temperature,
         with the spec-decode counters of that call (``counters``) for a draft engine."""
         eng = Engine.remote(spec.model_path, draft_dir=draft, dtype=dt, num_speculative_tokens=k, **common)
+
+        def get(ref, what: str):
+            """ray.get with validation.call_timeout_s; a call past it kills the engine and names the call."""
+            try:
+                return ray.get(ref, timeout=vc.call_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                ray.kill(eng)
+                raise TimeoutError(f"validate: {what} ({'draft ' + draft if draft else 'verifier alone'}, {dt}) gave "
+                                   f"no answer in {vc.call_timeout_s:.0f} s (validation.call_timeout_s): the engine "
+                                   "was killed") from None
+
+        get(eng.__ray_ready__.remote(), "the engine's load")
         if draft:
-            fix = ray.get(eng.cpu_fix_status.remote())
+            fix = get(eng.cpu_fix_status.remote(), "the sampler-fix status")
             if max(ts) > 0 and fix.startswith("failed"):
                 ray.kill(eng)
                 raise RuntimeError(
@@ -341,11 +353,11 @@ def validate(cfg, force: bool = False) -> ValidateReport:
         for t in ts:
             # a short warm-up at this temperature first: the first sampling call of a process pays one-time costs
             # (a T > 0 draft engine's first call was 2.3x slower than the next engine's, docs/validation.md)
-            ray.get(eng.generate.remote(prompts[:2], 4, t))
-            before = ray.get(eng.spec_counters.remote()) if draft else None
-            g = ray.get(eng.generate.remote(prompts, vc.max_new_tokens, t))
+            get(eng.generate.remote(prompts[:2], 4, t), f"the warm-up at T={t}")
+            before = get(eng.spec_counters.remote(), "the counters") if draft else None
+            g = get(eng.generate.remote(prompts, vc.max_new_tokens, t), f"decoding {len(prompts)} prompts at T={t}")
             if draft:
-                g["counters"] = counters_delta(ray.get(eng.spec_counters.remote()), before)
+                g["counters"] = counters_delta(get(eng.spec_counters.remote(), "the counters"), before)
                 summed = histogram_counters(g["accept_histograms"], k)
                 if (summed["drafts"], summed["accepted"]) != (g["counters"]["drafts"], g["counters"]["accepted"]):
                     ray.kill(eng)

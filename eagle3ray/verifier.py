@@ -359,8 +359,7 @@ class StandInEngine(_EngineCounters):
 
     def extract(self, samples: list[dict], storage_dtype: str = "bfloat16") -> list[dict]:
         """Deterministic states of each sample, same return format as :meth:`VerifierEngine.extract`."""
-        import torch
-
+        stand_in_fault("extract", [s["sample_id"] for s in samples])
         ntok = sum(len(s["input_ids"]) for s in samples)
         busy = os.environ.get("EAGLE3RAY_STAND_IN_BUSY_DIR")  # rehearsals: lets a test fail a node mid-call
         marker = os.path.join(busy, f"{os.getpid()}.busy") if busy else None
@@ -386,9 +385,52 @@ class StandInEngine(_EngineCounters):
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  seed: int | None = None) -> list[dict]:
         """Echoes the prompt's last tokens (no model): [{"token_ids", "text", "finish_reason"}]."""
+        stand_in_fault("generate", [])
         self._count_generate(prompts)
         return [{"token_ids": list(p[-max_new_tokens:]), "text": "stand-in answer", "finish_reason": "length"}
                 for p in prompts]
+
+
+#: Environment variable naming the folder of the stand-in engine's fault files (rehearsals and fault tests only).
+STAND_IN_FAULT_DIR = "EAGLE3RAY_STAND_IN_FAULT_DIR"
+
+
+def stand_in_fault(call: str, sample_ids: list[str]) -> None:
+    """Real faults for rehearsals: what the files in ``$EAGLE3RAY_STAND_IN_FAULT_DIR`` ask of this call.
+
+    - ``crash_samples`` (sample ids, one per line): an ``extract`` call whose unit holds one of them ends its
+      process at once (``os._exit(1)``, as a segfaulting engine would), every time;
+    - ``hang_<call>_once`` (``call``: extract or generate): the first such call, in any process, never returns
+      (the file is removed by the call that takes it, so exactly one call hangs);
+    - ``crash_<call>_once``: the first such call ends its process.
+
+    Nothing happens without the variable (the product's runs never set it); read at every call, so a test can
+    add a fault while a run goes on. Used by ``tests/cluster_scenarios.py``.
+    """
+    folder = os.environ.get(STAND_IN_FAULT_DIR)
+    if not folder:
+        return
+
+    def take(name: str) -> bool:  # one process wins the remove
+        try:
+            os.remove(os.path.join(folder, name))
+            return True
+        except FileNotFoundError:
+            return False
+
+    crash = os.path.join(folder, "crash_samples")
+    if sample_ids and os.path.exists(crash):
+        bad = set(Path(crash).read_text().split())
+        if bad & set(sample_ids):
+            log.error("stand-in fault: unit with %s crashes its process", sorted(bad & set(sample_ids)))
+            os._exit(1)
+    if take(f"crash_{call}_once"):
+        log.error("stand-in fault: %s call crashes its process", call)
+        os._exit(1)
+    if take(f"hang_{call}_once"):
+        log.error("stand-in fault: %s call hangs", call)
+        while True:
+            time.sleep(3600)
 
 
 @functools.lru_cache(maxsize=2)

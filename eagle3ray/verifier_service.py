@@ -62,7 +62,9 @@ class VerifierDeployment:
     and starts a replacement (the extraction client retries the unit; ``eagle3ray.extract.BlockWriter``). It
     raises when the engine failed a call with anything but bad input (:class:`VerifierError`: a vLLM engine
     that died inside a live replica would otherwise fail every later unit, and later jobs would reuse the broken
-    service), and when one call has run longer than ``EAGLE3RAY_ENGINE_HANG_S`` (default 1800 s: a hung engine).
+    service), and when a call has run past its deadline: the ``timeout_s`` its caller passed
+    (``extract.unit_timeout_s``, ``data.regenerate_timeout_s``), else ``EAGLE3RAY_ENGINE_HANG_S`` (default
+    1800 s). A hung engine is replaced within about ``timeout_s`` + 10 s.
     """
 
     def __init__(self, spec: dict, pinned: bool = False):
@@ -71,15 +73,16 @@ class VerifierDeployment:
         self.engine = make_engine(spec)
         self.pinned = pinned
         self.broken: str | None = None
-        self.busy_since: float | None = None
+        self.busy: tuple[float, float] | None = None  # (started, deadline) of the call in progress
         self.hang_s = float(os.environ.get("EAGLE3RAY_ENGINE_HANG_S", "1800"))
 
-    def _guarded(self, fn, *args):
+    def _guarded(self, fn, *args, timeout_s: float | None = None):
         from .verifier import VerifierError
 
         if self.broken:
             raise RuntimeError(f"verifier replica unhealthy, waiting for Serve to replace it: {self.broken}")
-        self.busy_since = time.time()
+        now = time.time()
+        self.busy = (now, now + (timeout_s or self.hang_s))
         try:
             return fn(*args)
         except VerifierError:
@@ -88,15 +91,16 @@ class VerifierDeployment:
             self.broken = f"{type(e).__name__}: {e}"[:500]
             raise
         finally:
-            self.busy_since = None
+            self.busy = None
 
     def check_health(self) -> None:
         """Serve's health check (see the class docstring). Raises RuntimeError naming the cause."""
         if self.broken:
             raise RuntimeError(f"engine failed: {self.broken}")
-        if self.busy_since is not None and time.time() - self.busy_since > self.hang_s:
-            raise RuntimeError(f"engine call running for {time.time() - self.busy_since:.0f} s "
-                               f"> EAGLE3RAY_ENGINE_HANG_S {self.hang_s:.0f}: hung")
+        busy = self.busy
+        if busy is not None and time.time() > busy[1]:
+            raise RuntimeError(f"engine call running for {time.time() - busy[0]:.0f} s, past its deadline of "
+                               f"{busy[1] - busy[0]:.0f} s: hung")
 
     def info(self) -> dict:
         """The engine's info plus where the replica runs (node id, placement group) and ``pinned``."""
@@ -104,11 +108,12 @@ class VerifierDeployment:
         return {**self.engine.info(), "node_id": ray.get_runtime_context().get_node_id(),
                 "placement_group": pg.id.hex() if pg is not None else None, "pinned": self.pinned}
 
-    def extract(self, samples: list[dict], storage_dtype: str = "bfloat16") -> list[dict]:
-        return self._guarded(self.engine.extract, samples, storage_dtype)
+    def extract(self, samples: list[dict], storage_dtype: str = "bfloat16", timeout_s: float | None = None) -> list[dict]:
+        """The engine's ``extract``; ``timeout_s``: this call's deadline (see the class docstring)."""
+        return self._guarded(self.engine.extract, samples, storage_dtype, timeout_s=timeout_s)
 
     def extract_block(self, samples: list[dict], storage_dtype: str, storage_uri: str, endpoint_url: str | None,
-                      hs_root: str, compression: str) -> dict:
+                      hs_root: str, compression: str, timeout_s: float | None = None) -> dict:
         """``extract`` of one unit, then its block written by this replica (``extract.block_writer: replica``):
         only the manifest entry travels back (:func:`eagle3ray.blocks.write_unit_block`; ``samples`` carry
         ``loss_mask``). A storage error is raised as it is and does not mark the engine unhealthy."""
@@ -116,7 +121,7 @@ class VerifierDeployment:
 
         results = self._guarded(self.engine.extract,
                                 [{"sample_id": s["sample_id"], "input_ids": s["input_ids"]} for s in samples],
-                                storage_dtype)
+                                storage_dtype, timeout_s=timeout_s)
         key = (storage_uri, endpoint_url)
         if getattr(self, "_fs_key", None) != key:
             self._fs, _ = storage.filesystem(storage_uri, endpoint_url)
@@ -124,8 +129,9 @@ class VerifierDeployment:
         return blocks.write_unit_block(self._fs, hs_root, samples, results, storage_dtype, compression)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                 seed: int | None = None) -> list[dict]:
-        return self._guarded(self.engine.generate, prompts, max_new_tokens, temperature, seed)
+                 seed: int | None = None, timeout_s: float | None = None) -> list[dict]:
+        """The engine's ``generate``; ``timeout_s``: this call's deadline (see the class docstring)."""
+        return self._guarded(self.engine.generate, prompts, max_new_tokens, temperature, seed, timeout_s=timeout_s)
 
 
 def _running_apps() -> dict:

@@ -312,13 +312,159 @@ def service(args) -> dict:
     return r
 
 
+def _committed(cfg) -> dict:
+    """What the run's manifest commits: ids (with repeats, if any), whether complete, blocks listed vs on storage,
+    rejected counts of extract."""
+    from eagle3ray import blocks, storage
+    from eagle3ray.artifacts import read_conversations
+
+    paths = storage.run_paths(cfg)
+    man, _ = blocks.read_committed(paths.fs, paths.hidden_states)
+    on_disk = sorted("blocks/" + f.rsplit("/", 1)[-1] for f in paths.fs.ls(f"{paths.hidden_states}/blocks",
+                                                                            detail=False))
+    return {"committed_ids": blocks.committed_sample_ids(paths.fs, paths.hidden_states, man),
+            "prepared_ids": read_conversations(paths)[1]["sample_id"].to_pylist(),
+            "complete": bool(man.get("complete")), "manifest_blocks": sorted(b["path"] for b in man["blocks"]),
+            "blocks_on_disk": on_disk, "rejected_extract": man["rejected"].get("extract", {}),
+            "retries": man.get("retries")}
+
+
+def engine_faults(args) -> dict:
+    """Real engine faults in a live service (stand-in engine, ``EAGLE3RAY_STAND_IN_FAULT_DIR``): the replica's
+    process ends during a regeneration chunk; one extraction call hangs; one sample kills the engine whenever it
+    is in a unit. One replica, so every retry waits for Serve's replacement."""
+    from eagle3ray.config import load_config
+    from eagle3ray.extract import extract
+    from eagle3ray.prepare import prepare
+
+    workdir = Path(args.workdir)
+    faults = workdir / "faults"
+    faults.mkdir()
+    os.environ["EAGLE3RAY_STAND_IN_FAULT_DIR"] = str(faults)  # inherited by the raylets started below
+    cluster = start_cluster(head_cpus=3)
+    add_node(cluster, num_cpus=0, resources={"verifier_slot": 1})
+    cfg = load_config(write_config(workdir, args.verifier, write_data(workdir / "d.jsonl", 40)),
+                      [f"ray.address={cluster.address}", "extract.max_replicas=1", "extract.unit_timeout_s=6",
+                       "data.regenerate=true", "data.max_new_tokens=8", "verifier.max_num_seqs=8"])
+    (faults / "crash_generate_once").touch()
+    t0 = time.time()
+    prep = prepare(cfg)
+    r: dict = {"prepare_seconds": time.time() - t0, "prepared_samples": prep.samples,
+               "crash_generate_left": (faults / "crash_generate_once").exists()}
+    ids = _committed_ids_of_conversations(cfg)
+    crash_id = ids[17]
+    (faults / "crash_samples").write_text(crash_id + "\n")
+    (faults / "hang_extract_once").touch()
+    t0 = time.time()
+    s = extract(cfg, progress=False)
+    r.update(_committed(cfg), extract_seconds=time.time() - t0, crash_id=crash_id, summary_retries=s.retries,
+             hang_left=(faults / "hang_extract_once").exists(), rejected_summary=s.rejected.get("extract", {}))
+    ray_shutdown()
+    cluster.shutdown()
+    return r
+
+
+def _committed_ids_of_conversations(cfg) -> list[str]:
+    from eagle3ray import storage
+    from eagle3ray.artifacts import read_conversations
+
+    return read_conversations(storage.run_paths(cfg))[1]["sample_id"].to_pylist()
+
+
+def ray_shutdown() -> None:
+    import ray
+
+    ray.shutdown()
+
+
+def _wait_for(pred, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(poll)
+    raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+
+
+def driver_kill(args) -> dict:
+    """The driver SIGKILLed mid-extract (`eagle3ray extract`, a process of its own) and mid-train (a driver with
+    the worker trace hook), each run again: nothing done is lost, nothing is done twice."""
+    import signal
+
+    from eagle3ray import storage
+    from eagle3ray.config import load_config
+    from eagle3ray.prepare import prepare
+
+    workdir = Path(args.workdir)
+    cluster = start_cluster(head_cpus=3)
+    add_node(cluster, num_cpus=0, resources={"verifier_slot": 1})
+    cfg_path = write_config(workdir, args.verifier, write_data(workdir / "d.jsonl", 80),
+                            train={"max_steps": 12, "checkpoint_every": 3, "num_workers": 1, "val_fraction": 0.2})
+    over = [f"ray.address={cluster.address}", "extract.max_replicas=1"]
+    cfg = load_config(cfg_path, over)
+    prepare(cfg)
+    paths = storage.run_paths(cfg)
+    commits = f"{paths.hidden_states}/commits"
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    cli = [sys.executable, "-m", "eagle3ray.cli"]
+    r: dict = {}
+
+    def n_commits() -> int:
+        return len(paths.fs.ls(commits, detail=False)) if paths.fs.exists(commits) else 0
+
+    p = subprocess.Popen([*cli, "extract", "--no-progress", "-c", str(cfg_path), *over], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: n_commits() >= 3 or p.poll() is not None, 240, "3 commits of the first extract")
+    os.kill(p.pid, signal.SIGKILL)
+    r["extract_killed_rc"] = p.wait()
+    r["commits_at_kill"] = n_commits()
+    r["lease_left"] = paths.fs.exists(paths.sub("writer.lease"))
+    r["after_kill"] = _committed(cfg)
+    q = subprocess.run([*cli, "extract", "--no-progress", "-c", str(cfg_path), *over], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    r["extract_rerun_rc"], r["extract_rerun_out"] = q.returncode, (q.stdout + q.stderr)[-3000:]
+    r["after_rerun"] = _committed(cfg)
+    v = subprocess.run([*cli, "vocab", "-c", str(cfg_path), *over], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    r["vocab_rc"] = v.returncode
+    trace = workdir / "trace"
+    code = (f"import sys; sys.argv = ['train']\n"
+            f"from eagle3ray.config import load_config\nfrom eagle3ray.pipeline import run_stage\n"
+            f"from eagle3ray.train_worker import WorkerHooks\nfrom eagle3ray import train as T\n"
+            f"cfg = load_config({str(cfg_path)!r}, {over!r})\n"
+            f"hooks = WorkerHooks(trace_dir={str(trace)!r})\n"
+            f"s = T.train(cfg, hooks=hooks, progress=False)\n"
+            f"print('STEPS', s.steps, 'RESUMED', s.resumed_from, flush=True)\n")
+    ck = paths.sub("checkpoints")
+
+    def checkpoints() -> list[str]:
+        return [f for f in paths.fs.glob(f"{ck}/train/checkpoint_*")] if paths.fs.exists(ck) else []
+
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: checkpoints() or p.poll() is not None, 300, "the first checkpoint")
+    time.sleep(1.0)
+    os.kill(p.pid, signal.SIGKILL)
+    r["train_killed_rc"] = p.wait()
+    r["checkpoints_at_kill"] = sorted(c.rsplit("/", 1)[-1] for c in checkpoints())
+    q = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    r["train_rerun_rc"], r["train_rerun_out"] = q.returncode, (q.stdout + q.stderr)[-3000:]
+    r["traces"] = {}
+    for f in sorted(trace.glob("*.jsonl")):
+        r["traces"][f.name] = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    cluster.shutdown()
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["placement", "node_kill", "service"])
+    ap.add_argument("scenario", choices=["placement", "node_kill", "service", "engine_faults", "driver_kill"])
     ap.add_argument("--verifier", required=True)
     ap.add_argument("--workdir", required=True)
     args = ap.parse_args()
-    result = {"placement": placement, "node_kill": node_kill, "service": service}[args.scenario](args)
+    result = {"placement": placement, "node_kill": node_kill, "service": service, "engine_faults": engine_faults,
+              "driver_kill": driver_kill}[args.scenario](args)
     print("RESULT " + json.dumps(result, default=str), flush=True)
 
 

@@ -91,3 +91,54 @@ def test_pinned_verifier_service_cli(tiny_verifier, tmp_path):
     assert "Traceback" not in mm["err"]
     assert r["stop"]["rc"] == 0 and "stopped" in r["stop"]["out"] + r["stop"]["err"]
     assert "no verifier service is running" in r["status3"]["out"] + r["status3"]["err"]
+
+
+@pytest.mark.timeout(600)
+def test_engine_crash_hang_and_regeneration_crash_are_survived_and_the_poisonous_sample_rejected(tiny_verifier, tmp_path):
+    """Real faults inside a live service (docs/faults.md): the replica's process ends during a regeneration chunk
+    (retried: every answer arrives); one extraction call hangs (extract.unit_timeout_s: the replica fails its health
+    check and is replaced, the unit is retried); one sample ends the engine's process whenever it is sent (its unit
+    is split until it is alone, then rejected as engine_crash). Every other sample is committed exactly once."""
+    r = _scenario("engine_faults", tiny_verifier, tmp_path)
+    assert r["prepared_samples"] == 40 and not r["crash_generate_left"]  # the crash happened; prepare survived it
+    assert not r["hang_left"]  # the hang happened
+    ids, crash = r["committed_ids"], r["crash_id"]
+    assert len(ids) == len(set(ids)) == 39 and crash not in ids
+    assert sorted(ids + [crash]) == sorted(r["prepared_ids"])
+    assert r["rejected_extract"]["counts"] == {"engine_crash": 1}
+    assert r["rejected_extract"]["examples"]["engine_crash"][0].startswith(crash + ":")
+    assert r["complete"] and r["manifest_blocks"] == r["blocks_on_disk"]  # no orphan left by the dead calls
+    # at least: the hang's retry, and the crashing unit's two deaths at each split level
+    assert r["retries"] == r["summary_retries"] >= 3
+
+
+@pytest.mark.timeout(900)
+def test_driver_sigkilled_mid_extract_and_mid_train_loses_nothing_and_repeats_nothing(tiny_verifier, tmp_path):
+    """`eagle3ray extract` SIGKILLed after 3 commits, then run again; a train driver SIGKILLed after its first
+    checkpoint, then run again (docs/faults.md). The killed driver's lease is taken over at once (same host, its pid
+    gone); the extraction resumes from its commits (its uncommitted block is an orphan, removed); training resumes
+    from its newest checkpoint and trains every step once, no sample twice in an epoch."""
+    r = _scenario("driver_kill", tiny_verifier, tmp_path, timeout=840)
+    assert r["extract_killed_rc"] == -9 and r["commits_at_kill"] >= 3
+    assert r["lease_left"]  # nobody released it: the re-run took it over
+    k = r["after_kill"]
+    assert not k["complete"] and 0 < len(k["committed_ids"]) == len(set(k["committed_ids"])) < 80
+    assert r["extract_rerun_rc"] == 0, r["extract_rerun_out"]
+    a = r["after_rerun"]
+    assert a["complete"] and len(a["committed_ids"]) == len(set(a["committed_ids"])) == 80
+    assert sorted(a["committed_ids"]) == sorted(a["prepared_ids"])
+    assert set(k["committed_ids"]) <= set(a["committed_ids"])  # nothing committed before the kill was redone
+    assert a["manifest_blocks"] == a["blocks_on_disk"]  # the killed run's uncommitted block was removed
+    assert r["train_killed_rc"] == -9 and r["train_rerun_rc"] == 0, r["train_rerun_out"]
+    steps, resumed = (int(x) if x != "None" else None for x in
+                      r["train_rerun_out"].split("STEPS ", 1)[1].split()[:3:2])
+    assert steps == 12 and resumed is not None and resumed >= 3 and resumed % 3 == 0
+    traces = list(r["traces"].values())
+    first = next(t for t in traces if t[0]["step"] == 1)
+    second = next(t for t in traces if t[0]["step"] == resumed + 1)
+    assert max(e["step"] for e in first) >= resumed
+    kept = [e for e in first if e["step"] <= resumed] + second
+    assert sorted(e["step"] for e in kept) == list(range(1, 13))
+    for epoch in {e["epoch"] for e in kept}:
+        ids = [i for e in kept if e["epoch"] == epoch for i in e["ids"]]
+        assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample trained twice across the driver's death"

@@ -55,18 +55,32 @@ def test_a_normal_exit_releases_the_lease(tmp_path):
     lease.release(paths, me)
 
 
-def test_a_killed_holders_lease_expires_and_is_taken_over(tmp_path):
+def test_a_killed_holders_lease_on_this_host_is_taken_over_at_once(tmp_path):
     uri = f"file://{tmp_path}"
     paths = storage.RunPaths.create(uri, "r")
-    p = holder(uri, ttl=1.5, seconds=60)
-    time.sleep(1.0)  # renewed meanwhile (every ttl/3): still held after more than half its ttl
+    p = holder(uri, ttl=30, seconds=60)
     with pytest.raises(lease.LeaseHeld):
-        lease.acquire(paths, "train", ttl_s=1.5)
-    os.kill(p.pid, signal.SIGKILL)
+        lease.acquire(paths, "train")
+    os.kill(p.pid, signal.SIGKILL)  # a driver SIGKILLed (OOM killer, kill -9): nothing released the lease
     p.wait()
-    assert paths.fs.exists(lease.lease_path(paths))  # nobody released it
-    time.sleep(2.0)
-    me = lease.acquire(paths, "train", ttl_s=1.5)  # expired: taken over
+    assert storage.read_json(paths.fs, lease.lease_path(paths))["pid"] == p.pid
+    me = lease.acquire(paths, "train")  # its pid is gone from this host: no need to wait out the 30 s ttl
+    assert storage.read_json(paths.fs, lease.lease_path(paths))["token"] == me["token"]
+
+
+def test_a_lease_of_another_host_is_taken_over_only_when_expired(tmp_path):
+    import json
+
+    uri = f"file://{tmp_path}"
+    paths = storage.RunPaths.create(uri, "r")
+    other = {"token": "x", "host": "another-node", "pid": 999999, "stage": "extract", "since": time.time(),
+             "renewed_at": time.time()}  # a pid that does not exist here: only the ttl may say it is gone
+    paths.fs.makedirs(paths.uri.removeprefix("file://"), exist_ok=True)
+    paths.fs.pipe_file(lease.lease_path(paths), json.dumps(other).encode())
+    with pytest.raises(lease.LeaseHeld, match="host another-node"):
+        lease.acquire(paths, "train", ttl_s=1.5)
+    time.sleep(2.0)  # not renewed for longer than the ttl (its node was lost)
+    me = lease.acquire(paths, "train", ttl_s=1.5)
     assert storage.read_json(paths.fs, lease.lease_path(paths))["token"] == me["token"]
 
 

@@ -59,3 +59,20 @@ def test_a_hung_call_fails_the_health_check(monkeypatch):
     release.set()
     t.join()
     r.check_health()  # the call returned: healthy again
+
+
+def test_a_call_past_its_own_deadline_fails_the_health_check(monkeypatch):
+    """extract.unit_timeout_s travels with the call: the replica is unhealthy once that call runs past it, while
+    the process-wide EAGLE3RAY_ENGINE_HANG_S (here 1800 s) would not have fired yet."""
+    release = threading.Event()
+    r = replica(monkeypatch, FakeEngine(block=release))
+    t = threading.Thread(target=r.extract, args=([{"sample_id": "a"}], "bfloat16", 0.2))
+    t.start()
+    time.sleep(0.05)
+    r.check_health()  # within its deadline
+    time.sleep(0.4)
+    with pytest.raises(RuntimeError, match="past its deadline of 0 s: hung"):
+        r.check_health()
+    release.set()
+    t.join()
+    r.check_health()
