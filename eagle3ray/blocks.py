@@ -388,6 +388,11 @@ def read_committed(fs, hs_root: str) -> tuple[dict, list[str]]:
     return man, [f"{hs_root}/{b['path']}" for b in man["blocks"]]
 
 
+class ManifestConflict(RuntimeError):
+    """Another writer changed the manifest since this one read it (a second writer on the run that got past the
+    writer lease, e.g. one that deleted the lease by hand); nothing of this writer's last write was applied."""
+
+
 class Manifest:
     """The manifest of one run's hidden states (``<hidden_states>/manifest.json``) and its commit rules.
 
@@ -407,6 +412,7 @@ class Manifest:
         self._pending = list(pending or [])  # commit files newer than the snapshot on storage
         self._seq = max(seq, int(data.get("commit_log", {}).get("folded_through", 0)))
         self._snapshot_blocks = len(data["blocks"]) - len(self._pending)
+        self._version = int(data.get("version", 0))  # of the snapshot read (0: none stored yet, or before versions)
 
     @classmethod
     def open(cls, fs, hs_root: str, fresh: dict, where: str) -> "Manifest":
@@ -445,7 +451,25 @@ class Manifest:
         return self.data["counts"]
 
     def save(self) -> None:
-        """Rewrite the snapshot (every commit so far folded in), then delete the commit files it now holds."""
+        """Rewrite the snapshot (every commit so far folded in), then delete the commit files it now holds.
+
+        Conditional on the version read: the stored snapshot's ``version`` must still be the one this writer
+        read (or there must be none, for a fresh manifest); each rewrite increments it. The check and the write
+        are two storage calls, so this catches a second writer, not a race inside one round trip (the writer
+        lease, :mod:`eagle3ray.lease`, keeps a second writer out in the first place).
+
+        Raises:
+            ManifestConflict: another writer rewrote the snapshot since it was read.
+        """
+        stored = storage.read_json(self.fs, self.path)
+        have = 0 if stored is None else int(stored.get("version", 0))
+        if have != self._version:
+            raise ManifestConflict(
+                f"{self.path}: another writer changed this manifest (version {have}, this writer read "
+                f"{self._version}); two writers on one run would lose each other's blocks. Stop the other writer "
+                f"(its lease: writer.lease in the run folder) and run again.")
+        self._version += 1
+        self.data["version"] = self._version
         self.data["commit_log"] = {"dir": COMMITS_DIR, "folded_through": self._seq}
         storage.write_json_atomic(self.fs, self.path, self.data)
         try:  # every commit file up to the watermark, including any an interrupted rewrite left behind
@@ -561,7 +585,11 @@ class Manifest:
                "rejected_extract": rejected_extract}
         self._seq += 1
         path = f"{self.root}/{COMMITS_DIR}/{self._seq:012d}.json"
-        storage.write_bytes_atomic(self.fs, path, json.dumps(rec).encode())  # the commit point
+        if not storage.create_exclusive(self.fs, path, json.dumps(rec).encode()):  # the commit point
+            self._seq -= 1
+            raise ManifestConflict(f"{path}: another writer committed block {self._seq + 1} of this manifest "
+                                   "since it was read; this block was not committed. Stop the other writer (its "
+                                   "lease: writer.lease in the run folder) and run again.")
         _apply(self.data, rec)
         self._pending.append(path)
         if len(self._pending) >= max(COMPACT_MIN, self._snapshot_blocks):

@@ -17,8 +17,9 @@ would each rewrite the manifests and delete the other's blocks. Every stage that
 
 Limits: taking over an expired lease is read-check-delete-create, so two writers that find the same expired
 lease at the same instant may both delete it; the exclusive create then lets only one of them in, unless the
-second delete lands after the first create (a window of one storage round trip). Manifest writes are not yet
-conditional on the version a writer read (issue 16, item 1).
+second delete lands after the first create (a window of one storage round trip). Behind the lease, the manifest's
+writes are conditional too (:class:`eagle3ray.blocks.ManifestConflict`): each commit file is created exclusively,
+and a snapshot rewrite first checks that the stored snapshot is still the version this writer read.
 """
 from __future__ import annotations
 
@@ -57,25 +58,8 @@ def _holder(stage: str) -> dict:
 
 
 def _create_exclusive(fs, path: str, data: bytes) -> bool:
-    """Create ``path`` only if it does not exist; False when it does."""
-    if storage.is_local(fs):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return True
-    try:
-        fs.pipe_file(path, data, mode="create")
-    except (FileExistsError, OSError) as e:
-        if isinstance(e, FileExistsError) or "PreconditionFailed" in repr(e) or "412" in repr(e):
-            return False
-        raise
-    return True
+    """Create ``path`` only if it does not exist; False when it does (:func:`eagle3ray.storage.create_exclusive`)."""
+    return storage.create_exclusive(fs, path, data)
 
 
 def _read(fs, path: str) -> dict | None:

@@ -86,6 +86,39 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
         fs.pipe_file(path, data)
 
 
+def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    """Create ``path`` with ``data`` only if it does not exist; False (nothing written) when it does.
+
+    Local disk: the data goes to an fsynced temp file that is hard-linked to ``path`` (``link`` fails when the
+    name exists, atomically), so a reader sees no file or the whole file. Object stores: a conditional put
+    (``If-None-Match: *``, s3fs ``mode="create"``; S3 since 2024, MinIO, moto). Used for the writer lease
+    (:mod:`eagle3ray.lease`) and the manifest's commit files (:meth:`eagle3ray.blocks.Manifest.commit`)."""
+    if is_local(fs):
+        fs.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+    try:
+        fs.pipe_file(path, data, mode="create")
+    except (FileExistsError, OSError) as e:
+        if isinstance(e, FileExistsError) or "PreconditionFailed" in repr(e) or "412" in repr(e):
+            return False
+        raise
+    return True
+
+
 def remove_temp_files(fs: fsspec.AbstractFileSystem, folder: str) -> int:
     """Delete the ``*.tmp-*`` files :func:`write_bytes_atomic` left in ``folder`` (a process killed mid-write);
     returns how many. Call it only while holding the run's writer lease (no other writer's temp file is live)."""

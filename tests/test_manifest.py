@@ -144,3 +144,30 @@ def test_blocks_written_by_another_process_are_seen_on_s3_despite_cached_listing
     assert man.verify(sha256=False) == {}
     assert blocks.verify_block(fs, hs, _entry(25), False) is None
     assert man.remove_orphans() == 1 and not other.exists(f"{hs}/blocks/part-orphan.parquet")
+
+
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_manifest_writes_are_conditional_on_the_version_the_writer_read(tmp_path, where, request):
+    """Two writers that both got past the lease (one deleted it by hand): the second's commit of the same sequence
+    number and its snapshot rewrite are refused (ManifestConflict), and what the first committed stays as it was."""
+    if where == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        fs, root = storage.filesystem("s3://eagle3ray/cond", endpoint)
+    else:
+        fs, root = storage.filesystem(f"file://{tmp_path}")
+    hs = f"{root}/hs"
+    first = blocks.Manifest.open(fs, hs, _fresh(), "m")
+    first.set_rejected({}, {})
+    _touch_blocks(fs, hs, 4)
+    second = blocks.Manifest.open(fs, hs, _fresh(), "m")  # reads the same version as the first
+    assert first.commit(_entry(0), ["a"], {}) == []
+    with pytest.raises(blocks.ManifestConflict, match="another writer committed block 1"):
+        second.commit(_entry(1), ["b"], {})
+    first.save()  # version 1 -> 2
+    with pytest.raises(blocks.ManifestConflict, match="another writer changed this manifest"):
+        second.save()
+    data, _ = blocks.read_committed(fs, hs)
+    assert [b["path"] for b in data["blocks"]] == [_entry(0)["path"]] and data["version"] == 2
+    late = blocks.Manifest.open(fs, hs, _fresh(), "m")  # a writer that reads now is fine
+    assert late.commit(_entry(2), ["c"], {}) == []
+    late.save()
