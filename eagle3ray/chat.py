@@ -22,7 +22,25 @@ class ChatTemplateError(ValueError):
 
 
 def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    """The chat template's text for ``messages``.
+
+    Raises:
+        ChatTemplateError: the template refused the conversation (jinja2 ``TemplateError``, e.g. its
+            ``raise_exception("roles must alternate")``).
+    """
+    return render_checked(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def render_checked(tokenizer, messages, **kw):
+    """``tokenizer.apply_chat_template(messages, **kw)``, with a template's own refusal raised as
+    :class:`ChatTemplateError` (its message), so that the caller counts the record instead of failing the stage."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kw)
+    except TemplateError as e:
+        roles = ", ".join(m.get("role", "?") for m in messages)
+        raise ChatTemplateError(f"chat template refused the conversation (roles {roles}): {e}") from None
 
 
 def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:

@@ -204,13 +204,15 @@ class BlockWriter:
         unit = f"unit {samples[0]['sample_id']}..{samples[-1]['sample_id']} ({len(samples)} samples)"
         deaths = timeouts = 0
         for attempt in range(self.max_retries + 1):
-            resp = self._request(samples)
+            resp = None
             try:
+                resp = self._request(samples)
                 return resp.result(timeout_s=self.wait_s), attempt
             except VerifierError:
                 raise  # bad input or a wrong output: retrying gives the same
             except TimeoutError as e:
-                resp.cancel()
+                if resp is not None:
+                    resp.cancel()
                 timeouts += 1
                 err: Exception = e
                 why = (f"no answer in {self.wait_s:.0f} s (extract.unit_timeout_s {self.unit_timeout_s:.0f} s per "
@@ -283,6 +285,9 @@ def _written_blocks(items: list[dict], writer_kwargs: dict, cfg):
     verifier service commits its first block after one short engine call instead of after the pool's
     start-up.
 
+    When the consumer stops (a commit failed, a writer raised), both producers stop: the Ray Data iterator is
+    left, which shuts its executor down, so a failed run does not go on writing blocks nobody will commit.
+
     Raises:
         whatever a writer raised (the stage fails; committed blocks stay committed).
     """
@@ -291,17 +296,26 @@ def _written_blocks(items: list[dict], writer_kwargs: dict, cfg):
 
     import ray
 
-    q: queue.Queue = queue.Queue()
+    q: queue.Queue = queue.Queue(maxsize=64)
+    stop = threading.Event()  # the committing side failed or finished: stop feeding (and so stop Ray Data)
+
+    def put(item) -> None:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
 
     def first() -> None:
         try:
             out = BlockWriter(**writer_kwargs)({k: [v] for k, v in items[0].items()})
             for i in range(len(out["path"])):
-                q.put(("row", {k: v[i] for k, v in out.items()}))
+                put(("row", {k: v[i] for k, v in out.items()}))
         except BaseException as e:  # noqa: BLE001 - handed to the committing thread
-            q.put(("error", e))
+            put(("error", e))
         finally:
-            q.put(("done", None))
+            put(("done", None))
 
     def rest() -> None:
         try:
@@ -312,23 +326,28 @@ def _written_blocks(items: list[dict], writer_kwargs: dict, cfg):
                         min_size=cfg.extract.min_replicas * cfg.extract.writers_per_replica,
                         max_size=cfg.extract.max_replicas * cfg.extract.writers_per_replica))
                 for row in ds.iter_rows():
-                    q.put(("row", row))
+                    if stop.is_set():  # leaving the iterator shuts Ray Data's executor down: no more blocks
+                        break
+                    put(("row", row))
         except BaseException as e:  # noqa: BLE001
-            q.put(("error", e))
+            put(("error", e))
         finally:
-            q.put(("done", None))
+            put(("done", None))
 
     for target in (first, rest):
         threading.Thread(target=target, daemon=True, name=f"extract-{target.__name__}").start()
     finished = 0
-    while finished < 2:
-        kind, val = q.get()
-        if kind == "row":
-            yield val
-        elif kind == "error":
-            raise val
-        else:
-            finished += 1
+    try:
+        while finished < 2:
+            kind, val = q.get()
+            if kind == "row":
+                yield val
+            elif kind == "error":
+                raise val
+            else:
+                finished += 1
+    finally:
+        stop.set()
 
 
 def _todo(conv, done: set[str], max_model_len: int, rejected: RejectCounter) -> list[dict]:
@@ -369,8 +388,8 @@ def _commit_blocks(cfg, manifest: blocks.Manifest, rows, *, app: str, rejected: 
         summary.retries += int(row.get("retries", 0))
         ids = [str(i) for i in row["sample_ids"]]
         if row.get("crashed"):  # killed its replica alone: never committed, so a later run tries it again
-            rejected.add("engine_crash", ids[0], f"the verifier engine's process died on this sample "
-                         f"{DEATHS_BEFORE_SPLIT} times")
+            rejected.add("engine_crash", ids[0], f"the verifier replica died (or hung and was replaced) on this "
+                         f"sample alone, {DEATHS_BEFORE_SPLIT} times")
             manifest.set_rejected(manifest.data["rejected"].get("prepare", {}), rejected.to_json())
             bar.update(1)
             continue
@@ -448,9 +467,12 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
                              compression=cfg.extract.compression, max_retries=cfg.extract.max_unit_retries,
                              block_writer=cfg.extract.block_writer, unit_timeout_s=cfg.extract.unit_timeout_s,
                              queue_depth=cfg.extract.writers_per_replica)
-        _commit_blocks(cfg, manifest, _written_blocks(items, writer_kwargs, cfg), app=writer_kwargs["app"],
-                       rejected=rejected, summary=summary, total=sum(len(u) for u in units), progress=progress,
-                       t_start=t_start, on_commit=on_commit)
+        rows = _written_blocks(items, writer_kwargs, cfg)
+        try:
+            _commit_blocks(cfg, manifest, rows, app=writer_kwargs["app"], rejected=rejected, summary=summary,
+                           total=sum(len(u) for u in units), progress=progress, t_start=t_start, on_commit=on_commit)
+        finally:
+            rows.close()  # a failed commit stops the writers now, not when the traceback is collected
         # blocks of attempts that died after writing (their unit was redone): not in the manifest, removed
         summary.orphans_removed_end = manifest.remove_orphans()
 

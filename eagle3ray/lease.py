@@ -49,9 +49,19 @@ def lease_path(paths: storage.RunPaths) -> str:
     return paths.sub(LEASE_FILE)
 
 
+def _process_space() -> str:
+    """This machine's boot id and this process's pid namespace: two processes whose pids can be compared have the
+    same (containers with host networking share the host name, not the pid space)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
 def _holder(stage: str) -> dict:
     now = time.time()
-    return {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+    return {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "pid_space": _process_space(),
             "ray_job_id": os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID"),
             "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300],
             "stage": stage, "since": now, "renewed_at": now}
@@ -70,10 +80,12 @@ def _read(fs, path: str) -> dict | None:
 
 
 def _holder_gone(h: dict) -> bool:
-    """True when the holder ran on this host and its process no longer exists (a driver SIGKILLed or OOM-killed
-    here): its lease is taken over at once instead of after its ttl. False for any other host (a pod, a node:
+    """True when the holder ran on this host, in this pid space (same boot, same pid namespace), and its process no
+    longer exists (a driver SIGKILLed or OOM-killed here): its lease is taken over at once instead of after its ttl. False for any other host (a pod, a node:
     only the ttl can tell), and when the pid exists, even if reused by another process (the safe side)."""
-    if h.get("host") != socket.gethostname() or not isinstance(h.get("pid"), int) or h["pid"] == os.getpid():
+    here = _process_space()
+    if (h.get("host") != socket.gethostname() or not here or h.get("pid_space") != here
+            or not isinstance(h.get("pid"), int) or h["pid"] == os.getpid()):
         return False
     try:
         os.kill(h["pid"], 0)

@@ -96,7 +96,10 @@ def _config_hash(cfg, spec_identity: dict) -> str:
 
 
 def _prompt_ids(tokenizer, msgs: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    """Token ids of the prompt ``msgs`` (generation prompt added). Raises ChatTemplateError (the template refused)."""
+    from .chat import render_checked
+
+    ids = render_checked(tokenizer, msgs, tokenize=True, add_generation_prompt=True)
     return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
 
 
@@ -127,7 +130,11 @@ def collect_records(cfg, rejected: RejectCounter, tokenizer=None) -> list[Record
                     first.append(m)
                     if m["role"] == "user":
                         break
-                n = len(_prompt_ids(tokenizer, first))
+                try:
+                    n = len(_prompt_ids(tokenizer, first))
+                except ChatTemplateError as e:
+                    rejected.add("chat_template", rec.sample_id, str(e))
+                    continue
                 if n > cfg.data.max_prompt_tokens:
                     rejected.add("too_long", rec.sample_id,
                                  f"first prompt of {n} tokens > data.max_prompt_tokens {cfg.data.max_prompt_tokens}")
@@ -303,7 +310,12 @@ def regenerate_answers(cfg, records: list[Record], tokenizer, generate, rejected
             if k >= len(users[sid]):
                 continue
             msgs = convs[sid] + [users[sid][k]]
-            ids = _prompt_ids(tokenizer, msgs)
+            try:
+                ids = _prompt_ids(tokenizer, msgs)
+            except ChatTemplateError as e:  # counted once (round 0); a later round ends the conversation there
+                if k == 0:
+                    rejected.add("chat_template", sid, str(e))
+                continue
             if len(ids) > limit:
                 if k == 0:
                     rejected.add("too_long", sid, f"prompt of {len(ids)} tokens leaves no room for "

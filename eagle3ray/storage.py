@@ -157,12 +157,20 @@ def write_json_atomic(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> Non
 
 
 def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any | None:
-    """Parsed JSON at ``path``, or None when it does not exist."""
+    """Parsed JSON at ``path``, or None when it does not exist.
+
+    Raises:
+        json.JSONDecodeError: the file is not JSON; its message starts with ``path`` (a corrupt manifest, say).
+    """
     try:
         with fs.open(path, "rb") as f:
-            return json.loads(f.read())
+            raw = f.read()
     except FileNotFoundError:
         return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise json.JSONDecodeError(f"{path}: not valid JSON (corrupt or cut short?): {e.msg}", e.doc, e.pos) from None
 
 
 def parquet_bytes(table: pa.Table, compression: str = "zstd", **options) -> bytes:

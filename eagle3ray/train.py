@@ -158,8 +158,8 @@ def _progress_bar(paths: storage.RunPaths, max_steps: int, enabled: bool):
 def latest_checkpoint_on_storage(fs, root: str) -> tuple[int, str] | None:
     """(step, path) of the newest complete checkpoint under ``root`` (``checkpoints/train``), or None.
 
-    Complete: rank 0's ``step.json`` (written after its weights and trainer state) and every rank's
-    ``data_rank<r>.json`` for the world size it records are there (:class:`eagle3ray.train_worker.WorkerCheckpoint`).
+    Complete: rank 0's ``step.json`` is there, its weights and trainer state have the sizes it records, and every
+    rank's ``data_rank<r>.json`` for the world size it records is there (:class:`eagle3ray.train_worker.WorkerCheckpoint`).
     One listing of ``root`` and one small read per checkpoint. Checkpoints written before ``step.json`` existed
     are left to Ray Train's own record.
     """
@@ -172,12 +172,12 @@ def latest_checkpoint_on_storage(fs, root: str) -> tuple[int, str] | None:
     for d in dirs:
         try:
             meta = storage.read_json(fs, f"{d}/step.json")
-            names = {f.rsplit("/", 1)[-1] for f in fs.ls(d, detail=False)}
+            sizes = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(d, detail=True)}
         except (OSError, ValueError):
             continue
-        if not meta or not {"draft_trainable.safetensors", "trainer_state.pt",
-                            *(f"data_rank{r}.json" for r in range(int(meta.get("world", 1))))} <= names:
-            continue
+        if not meta or not all(sizes.get(n) == v for n, v in (meta.get("sizes") or {"-": -1}).items()) or not all(
+                f"data_rank{r}.json" in sizes for r in range(int(meta.get("world", 1)))):
+            continue  # cut short (a driver killed mid-upload): an older one is used
         if best is None or int(meta["step"]) > best[0]:
             best = (int(meta["step"]), d)
     return best

@@ -297,7 +297,7 @@ class WorkerCheckpoint:
         draft_trainable.safetensors  rank 0: the draft's trainable weights (fc, decoder layer, norms, lm_head)
         trainer_state.pt             rank 0: {"optimizer", "scheduler", "step", "epoch", "torch_rng"}
         data_rank<r>.json            every rank r: {"epoch", "consumed": [sample ids rank r consumed this epoch]}
-        step.json                    rank 0, written last: {"step", "epoch", "world"}
+        step.json                    rank 0, written last: {"step", "epoch", "world", "sizes": {rank 0's files: bytes}}
 
     The data position is kept per sample, not per rank, so a run may resume with another number of workers.
     ``step.json`` lets a new driver find the newest checkpoint on storage without Ray Train's own record
@@ -314,9 +314,11 @@ class WorkerCheckpoint:
         import ray.train
 
         if ray_ckpt is not None:
-            with ray_ckpt.as_directory() as d:
-                p = os.path.join(d, "step.json")
-                ray_step = json.load(open(p))["step"] if os.path.exists(p) else -1
+            try:  # one small read, not the whole checkpoint
+                with ray_ckpt.filesystem.open_input_stream(f"{ray_ckpt.path}/step.json") as f:
+                    ray_step = int(json.loads(f.read())["step"])
+            except (OSError, ValueError, KeyError):
+                ray_step = -1  # a checkpoint from before step.json: trust Ray's record unless storage has newer
             if ray_step >= stored[0]:
                 return ray_ckpt
         log.info("resuming from %s (step %d): newer than Ray Train's record of its checkpoints", stored[1],
@@ -373,8 +375,10 @@ class WorkerCheckpoint:
         if rank == 0:
             import ray.train
 
+            sizes = {n: os.path.getsize(os.path.join(d, n)) for n in (TRAINABLE_FILE, STATE_FILE)}
             with open(os.path.join(d, "step.json"), "w") as f:
-                json.dump({"step": n_steps, "epoch": epoch, "world": ray.train.get_context().get_world_size()}, f)
+                json.dump({"step": n_steps, "epoch": epoch, "world": ray.train.get_context().get_world_size(),
+                           "sizes": sizes}, f)
 
 
 # ------------------------------------------------------------------------------------------------ hooks

@@ -64,7 +64,8 @@ class VerifierDeployment:
     that died inside a live replica would otherwise fail every later unit, and later jobs would reuse the broken
     service), and when a call has run past its deadline: the ``timeout_s`` its caller passed
     (``extract.unit_timeout_s``, ``data.regenerate_timeout_s``), else ``EAGLE3RAY_ENGINE_HANG_S`` (default
-    1800 s). A hung engine is replaced within about ``timeout_s`` + 10 s.
+    1800 s). Serve stops a replica after 3 failed checks 10 s apart, then waits up to 30 s for it to shut down, so a
+    hung engine is replaced about ``timeout_s`` + 30-60 s after its call began.
     """
 
     def __init__(self, spec: dict, pinned: bool = False):
@@ -93,8 +94,12 @@ class VerifierDeployment:
         finally:
             self.busy = None
 
-    def check_health(self) -> None:
-        """Serve's health check (see the class docstring). Raises RuntimeError naming the cause."""
+    async def check_health(self) -> None:
+        """Serve's health check (see the class docstring). Raises RuntimeError naming the cause.
+
+        ``async`` on purpose: Serve runs sync methods in a thread pool of ``max_ongoing_requests`` (1) threads, so
+        a sync health check would wait behind the very call it must judge; a coroutine runs on the replica's event
+        loop while the engine call holds the thread."""
         if self.broken:
             raise RuntimeError(f"engine failed: {self.broken}")
         busy = self.busy

@@ -114,4 +114,7 @@ def resolve_verifier(model: str, cache_dir: str | os.PathLike = "~/.cache/eagle3
         if not (path / "config.json").is_file():
             raise VerifierSourceError(f"verifier.model {model!r}: folder has no config.json")
         return str(path.resolve())
+    if model.startswith(("/", "./", "../", "~")) or model.count("/") != 1:
+        raise VerifierSourceError(f"verifier.model {model!r} does not exist (a local folder was meant: it is not "
+                                  "there; a hub id is 'org/name')")
     return model  # a hub id: vLLM resolves it on clusters that can reach the hub

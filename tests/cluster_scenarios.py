@@ -416,7 +416,7 @@ def driver_kill(args) -> dict:
     p = subprocess.Popen([*cli, "extract", "--no-progress", "-c", str(cfg_path), *over], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: n_commits() >= 3 or p.poll() is not None, 240, "3 commits of the first extract")
-    os.kill(p.pid, signal.SIGKILL)
+    p.send_signal(signal.SIGKILL)  # (a no-op if it already ended: then its rc says so)
     r["extract_killed_rc"] = p.wait()
     r["commits_at_kill"] = n_commits()
     r["lease_left"] = paths.fs.exists(paths.sub("writer.lease"))
@@ -439,15 +439,22 @@ def driver_kill(args) -> dict:
     ck = paths.sub("checkpoints")
 
     def checkpoints() -> list[str]:
-        return [f for f in paths.fs.glob(f"{ck}/train/checkpoint_*")] if paths.fs.exists(ck) else []
+        return [f for f in paths.fs.glob(f"{ck}/train/checkpoint_*") if not f.endswith(".json")] \
+            if paths.fs.exists(ck) else []
 
     p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: checkpoints() or p.poll() is not None, 300, "the first checkpoint")
     time.sleep(1.0)
-    os.kill(p.pid, signal.SIGKILL)
+    p.send_signal(signal.SIGKILL)
     r["train_killed_rc"] = p.wait()
     r["checkpoints_at_kill"] = sorted(c.rsplit("/", 1)[-1] for c in checkpoints())
+    # Ray Train's own record of its checkpoints, removed: as when the driver dies before Ray writes it; the re-run
+    # must find the newest checkpoint on storage by itself (step.json)
+    snap = f"{ck}/train/checkpoint_manager_snapshot.json"
+    r["ray_snapshot_removed"] = paths.fs.exists(snap)
+    if r["ray_snapshot_removed"]:
+        paths.fs.rm(snap)
     q = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
     r["train_rerun_rc"], r["train_rerun_out"] = q.returncode, (q.stdout + q.stderr)[-3000:]
     r["traces"] = {}

@@ -105,7 +105,7 @@ def test_engine_crash_hang_and_regeneration_crash_are_survived_and_the_poisonous
     ids, crash = r["committed_ids"], r["crash_id"]
     assert len(ids) == len(set(ids)) == 39 and crash not in ids
     assert sorted(ids + [crash]) == sorted(r["prepared_ids"])
-    assert r["rejected_extract"]["counts"] == {"engine_crash": 1}
+    assert r["rejected_extract"]["counts"] == {"engine_crash": 1}  # and no duplicate: no retried unit landed twice
     assert r["rejected_extract"]["examples"]["engine_crash"][0].startswith(crash + ":")
     assert r["complete"] and r["manifest_blocks"] == r["blocks_on_disk"]  # no orphan left by the dead calls
     # at least: the hang's retry, and the crashing unit's two deaths at each split level
@@ -129,10 +129,12 @@ def test_driver_sigkilled_mid_extract_and_mid_train_loses_nothing_and_repeats_no
     assert sorted(a["committed_ids"]) == sorted(a["prepared_ids"])
     assert set(k["committed_ids"]) <= set(a["committed_ids"])  # nothing committed before the kill was redone
     assert a["manifest_blocks"] == a["blocks_on_disk"]  # the killed run's uncommitted block was removed
+    assert not a["rejected_extract"].get("counts", {}).get("duplicate")  # no unit was committed twice
     assert r["train_killed_rc"] == -9 and r["train_rerun_rc"] == 0, r["train_rerun_out"]
     steps, resumed = (int(x) if x != "None" else None for x in
                       r["train_rerun_out"].split("STEPS ", 1)[1].split()[:3:2])
     assert steps == 12 and resumed is not None and resumed >= 3 and resumed % 3 == 0
+    assert r["ray_snapshot_removed"]  # so the resume came from the checkpoint's own step.json
     traces = list(r["traces"].values())
     first = next(t for t in traces if t[0]["step"] == 1)
     second = next(t for t in traces if t[0]["step"] == resumed + 1)

@@ -1,4 +1,5 @@
 """The verifier replica's health check: a broken or hung engine fails it (Serve then replaces the replica)."""
+import asyncio
 import threading
 import time
 
@@ -20,11 +21,24 @@ class FakeEngine:
         return [{"sample_id": s["sample_id"]} for s in samples]
 
 
+class _Sync:
+    """The replica with its coroutine health check run to completion (as Serve's event loop would)."""
+
+    def __init__(self, r):
+        self.r = r
+
+    def __getattr__(self, name):
+        return getattr(self.r, name)
+
+    def check_health(self):
+        return asyncio.run(self.r.check_health())
+
+
 def replica(monkeypatch, engine, hang_s="1800"):
     monkeypatch.setenv("EAGLE3RAY_ENGINE_HANG_S", hang_s)
     monkeypatch.setattr(verifier_service, "make_engine", lambda spec: engine)
     cls = verifier_service.VerifierDeployment.func_or_class
-    return cls({})
+    return _Sync(cls({}))
 
 
 def test_a_healthy_replica_passes_and_bad_input_keeps_it_healthy(monkeypatch):

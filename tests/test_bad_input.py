@@ -1,0 +1,110 @@
+"""Bad input, record by record (../shared/REVIEW-reliability.md, rows B2-B5, B10, B14): each bad record is counted
+with a reason that says what is wrong, and the good records beside it are kept; a bad file is named with its line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3ray import storage
+from eagle3ray.chat import ChatTemplateError, tokenize_conversation
+from eagle3ray.sources import Record, Rejected, read_chat, read_mtbench, read_sharegpt
+
+
+def _split(items):
+    items = list(items)
+    return [i for i in items if isinstance(i, Record)], [i for i in items if isinstance(i, Rejected)]
+
+
+def _conv(i: int, extra: str = "") -> dict:
+    return {"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}{extra}"},
+                                        {"role": "assistant", "content": f"a{i}"}]}
+
+
+def test_a_chat_json_with_one_bad_utf8_record_keeps_the_others(tmp_path):
+    good = [json.dumps(_conv(i)).encode() for i in range(3)]
+    bad = json.dumps(_conv(9, "BAD")).encode().replace(b"BAD", b"caf\xe9")
+    p = tmp_path / "chat.json"
+    p.write_bytes(b"[" + b",".join([good[0], bad, good[1], good[2]]) + b"]")
+    kept, rej = _split(read_chat(p))
+    assert [r.sample_id for r in kept] == ["chat:r0", "chat:r1", "chat:r2"]
+    assert [(r.reason, r.where) for r in rej] == [("invalid_utf8", f"{p}#record1")]
+
+
+def test_a_sharegpt_file_with_a_bad_byte_rejects_only_that_record_and_keeps_no_replacement_chars(tmp_path):
+    recs = [{"id": f"s{i}", "conversations": [{"from": "human", "value": f"q{i}" + ("BAD" if i == 1 else "")},
+                                              {"from": "gpt", "value": f"a{i}"}]} for i in range(3)]
+    p = tmp_path / "sg.json"
+    p.write_bytes(json.dumps(recs).encode().replace(b"BAD", b"caf\xe9"))
+    kept, rej = _split(read_sharegpt(p))
+    assert [r.sample_id for r in kept] == ["sharegpt:s0", "sharegpt:s2"]
+    assert all("\ufffd" not in m["content"] for r in kept for m in r.messages)
+    assert [r.reason for r in rej] == ["invalid_utf8"] and rej[0].where.endswith("#record1")
+
+
+def test_odd_conversations_get_reasons_that_say_what_is_wrong(tmp_path):
+    p = tmp_path / "odd.jsonl"
+    rows = [{"id": "str", "messages": "hello"},
+            {"id": "sys", "messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]},
+            {"id": "tool", "messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "{}"},
+                                        {"role": "assistant", "content": "a"}]},
+            {"id": "null", "messages": [{"role": "user", "content": None}]},
+            _conv(0)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kept, rej = _split(read_chat(p))
+    assert [r.sample_id for r in kept] == ["chat:r0"]
+    got = {r.where.split(" ")[0].rsplit(":", 1)[1]: (r.reason, r.detail) for r in rej}
+    assert got["1"] == ("bad_message", "not a list of turns but str")
+    assert got["2"] == ("no_user_turn", "no user turn")  # was kept, then every such record a 'duplicate'
+    assert got["3"][0] == "bad_message" and got["3"][1].startswith("turn 1: unsupported role 'tool'")
+    assert got["4"] == ("bad_message", "turn 0: content missing or not a string")
+
+
+class _RaisingTemplate:
+    """A tokenizer whose chat template raises on two user turns in a row (as Mistral's and Gemma's do)."""
+
+    def apply_chat_template(self, messages, **kw):
+        from jinja2 import Environment
+
+        tpl = Environment().from_string(
+            "{% for m in messages %}{% if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}"
+            "{{ raise_exception('roles must alternate') }}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+
+        def raise_exception(msg):
+            from jinja2.exceptions import TemplateError
+
+            raise TemplateError(msg)
+
+        text = tpl.render(messages=messages, raise_exception=raise_exception)
+        return list(text.encode()) if kw.get("tokenize") else text
+
+
+def test_a_template_that_refuses_a_conversation_raises_a_countable_error_naming_the_roles():
+    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+    with pytest.raises(ChatTemplateError, match=r"roles user, user.*roles must alternate"):
+        tokenize_conversation(_RaisingTemplate(), msgs)
+    from eagle3ray.prepare import _prompt_ids
+
+    with pytest.raises(ChatTemplateError):
+        _prompt_ids(_RaisingTemplate(), msgs[:2])
+
+
+def test_a_verifier_path_that_does_not_exist_is_named_without_a_hub_lookup(tmp_path):
+    from eagle3ray.verifier_source import VerifierSourceError, resolve_verifier
+
+    for bad in ("/nonexistent/dir", str(tmp_path / "missing"), "./models/x", "a/b/c"):
+        with pytest.raises(VerifierSourceError, match="does not exist"):
+            resolve_verifier(bad)
+    assert resolve_verifier("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_a_malformed_mtbench_line_and_a_corrupt_manifest_are_named_with_their_path(tmp_path):
+    q = tmp_path / "question.jsonl"
+    q.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["a"]}) + "\n{not json\n")
+    with pytest.raises(ValueError, match=rf"{q}:2: not a JSON object"):
+        read_mtbench(q)
+    fs, root = storage.filesystem(f"file://{tmp_path}")
+    fs.pipe_file(f"{root}/manifest.json", b'{"blocks": [')
+    with pytest.raises(json.JSONDecodeError, match=rf"{root}/manifest.json: not valid JSON"):
+        storage.read_json(fs, f"{root}/manifest.json")
