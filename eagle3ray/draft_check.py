@@ -67,11 +67,33 @@ class CheckReport:
         return "\n".join(lines)
 
 
+class BadSafetensors(ValueError):
+    """A weights file that is not a complete safetensors file (cut short, or not safetensors at all)."""
+
+
 def safetensors_header(path: str, storage_options: dict | None = None) -> dict[str, dict]:
-    """{name: {"dtype", "shape"}} from a safetensors file's JSON header (reads only the header)."""
+    """{name: {"dtype", "shape"}} from a safetensors file's JSON header (reads the header, and the file's size to
+    check that every tensor's bytes are there).
+
+    Raises:
+        BadSafetensors: the file is shorter than its header says, or its header is not one (message names it).
+    """
     with fsspec.open(path, "rb", **(storage_options or {})) as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise BadSafetensors(f"{path}: {len(head)} bytes, truncated (a safetensors file starts with an 8-byte "
+                                 "header length)")
+        (n,) = struct.unpack("<Q", head)
+        raw = f.read(n) if n < 100_000_000 else b""
+        size = f.size if getattr(f, "size", None) is not None else None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadSafetensors(f"{path}: truncated or not safetensors (header of {n} bytes announced, "
+                             f"{len(raw)} readable)") from None
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if size is not None and size < 8 + n + end:
+        raise BadSafetensors(f"{path}: truncated ({size} bytes; its header needs {8 + n + end})")
     header.pop("__metadata__", None)
     return {k: {"dtype": _DTYPES.get(v["dtype"], v["dtype"]), "shape": list(v["shape"])} for k, v in header.items()}
 
@@ -100,12 +122,19 @@ def check_draft(draft_dir: str, verifier: str, storage_options: dict | None = No
     except FileNotFoundError:
         rep.problems.append(f"{draft_dir}/config.json: not found")
         return rep
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        rep.problems.append(f"{draft_dir}/config.json: not valid JSON (truncated?): {e}")
+        return rep
     if dcfg.get("speculators_model_type") != "eagle3":
         rep.problems.append(f"config.json: field 'speculators_model_type' is {dcfg.get('speculators_model_type')!r}, "
                             "vLLM's eagle3 method needs 'eagle3'")
     t = dcfg.get("transformer_layer_config")
     if not isinstance(t, dict):
         rep.problems.append("config.json: field 'transformer_layer_config' missing")
+        return rep
+    missing = [k for k in ("hidden_size", "num_attention_heads") if k not in t]
+    if missing:
+        rep.problems.append(f"config.json: field 'transformer_layer_config' lacks {missing}")
         return rep
     VH, VL, VV = vcfg["hidden_size"], vcfg["num_hidden_layers"], vcfg["vocab_size"]
     if t["hidden_size"] != VH:
@@ -132,7 +161,12 @@ def check_draft(draft_dir: str, verifier: str, storage_options: dict | None = No
         return rep
     tensors: dict[str, dict] = {}
     for of in files:
-        tensors.update(safetensors_header(of.full_name if hasattr(of, "full_name") else of.path, storage_options))
+        try:
+            tensors.update(safetensors_header(of.full_name if hasattr(of, "full_name") else of.path, storage_options))
+        except BadSafetensors as e:
+            rep.problems.append(str(e))
+    if any("truncated" in p or "not safetensors" in p for p in rep.problems):
+        return rep
     loaded = {}
     for name, info in tensors.items():
         k = vllm_key(name)

@@ -108,3 +108,29 @@ def test_a_malformed_mtbench_line_and_a_corrupt_manifest_are_named_with_their_pa
     fs.pipe_file(f"{root}/manifest.json", b'{"blocks": [')
     with pytest.raises(json.JSONDecodeError, match=rf"{root}/manifest.json: not valid JSON"):
         storage.read_json(fs, f"{root}/manifest.json")
+
+
+def test_the_export_check_reports_truncated_weights_and_a_broken_config_instead_of_a_traceback(tmp_path, tiny_verifier):
+    import torch
+
+    from eagle3ray.config import load_config
+    from eagle3ray.draft import build_draft
+    from eagle3ray.draft_check import check_draft
+
+    d2t, t2d = torch.zeros(512, dtype=torch.long), torch.zeros(49152, dtype=torch.bool)
+    t2d[:512] = True
+    tc = load_config(None, ["vocab.draft_vocab_size=512"]).train.model_dump()
+    out = tmp_path / "export"
+    build_draft(tiny_verifier, [2, 4, 5], d2t, t2d, tc).save_pretrained(out)
+    assert check_draft(str(out), tiny_verifier).ok
+    weights = next(out.glob("*.safetensors"))
+    whole = weights.read_bytes()
+    for cut, why in ((4, "truncated"), (len(whole) - 100, "truncated"), (20, "truncated or not safetensors")):
+        weights.write_bytes(whole[:cut])
+        rep = check_draft(str(out), tiny_verifier)
+        assert not rep.ok and any(why in p and str(weights) in p for p in rep.problems), (cut, rep.problems)
+    weights.write_bytes(whole)
+    cfg = out / "config.json"
+    cfg.write_text(cfg.read_text()[:40])
+    rep = check_draft(str(out), tiny_verifier)
+    assert not rep.ok and "config.json: not valid JSON" in rep.problems[0]
