@@ -231,6 +231,8 @@ class SourceSpec(_Strict):
     kind: Literal["sharegpt", "chat", "mtbench"]
     path: str | None = Field(None, description="File to read; null = the file shipped by the kind's package.")
     max_records: int | None = Field(None, ge=1, description="Read at most this many records of this source.")
+    max_line_bytes: int = Field(16 << 20, ge=1, description="kind chat, JSONL: a longer line is rejected unread "
+                                "(line_too_long), so one corrupt huge line cannot exhaust the driver's memory.")
 
 
 class DataSection(_Strict):

@@ -165,10 +165,37 @@ def read_sharegpt(path: str | Path | None = None, max_records: int | None = None
             return
 
 
+#: Longest JSONL line read (``SourceSpec.max_line_bytes``): a longer one is skipped unread (``line_too_long``), so a
+#: corrupt multi-GB line cannot take the driver's memory. 16 MiB is about 4M tokens of text.
+DEFAULT_MAX_LINE_BYTES = 16 << 20
+
+
+def _lines(f, cap: int) -> Iterator[tuple[int, bytes | int]]:
+    """(line number, bytes) of a binary file's lines, reading at most ``cap + 1`` bytes of each; a longer line is
+    yielded as (line number, its length in bytes), skipped in 1 MiB reads."""
+    lineno = 0
+    while True:
+        line = f.readline(cap + 1)
+        if not line:
+            return
+        lineno += 1
+        if len(line) <= cap or line.endswith(b"\n"):
+            yield lineno, line
+            continue
+        n = len(line)
+        while not line.endswith(b"\n"):
+            line = f.readline(1 << 20)
+            if not line:
+                break
+            n += len(line)
+        yield lineno, n
+
+
 def read_chat(path: str | Path, max_records: int | None = None,
-              prompts_only: bool = False) -> Iterator[Record | Rejected]:
+              prompts_only: bool = False, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[Record | Rejected]:
     """Chat JSONL (one object per line) or JSON (a list): each with ``messages`` (or ``conversations``), and an
-    optional ``category``. ``prompts_only`` (evaluation sets) keeps records that have a user turn and no answer."""
+    optional ``category``. ``prompts_only`` (evaluation sets) keeps records that have a user turn and no answer.
+    A JSONL line longer than ``max_line_bytes`` is rejected (``line_too_long``) without being read whole."""
     path = Path(path)
     name = path.name
     if path.suffix == ".json":
@@ -187,10 +214,13 @@ def read_chat(path: str | Path, max_records: int | None = None,
         return
     n = 0
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
+        for lineno, line in _lines(f, max_line_bytes):
+            where = f"{path}:{lineno}"
+            if isinstance(line, int):
+                yield Rejected("line_too_long", where, f"{line:,} bytes > max_line_bytes {max_line_bytes:,}")
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 s = line.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -247,10 +277,11 @@ def read_mtbench_records(path: str | Path | None = None, max_records: int | None
                      category=str(q.get("category", "")))
 
 
-def _read_chat_file(path: str | Path | None, max_records: int | None = None) -> Iterator[Record | Rejected]:
+def _read_chat_file(path: str | Path | None, max_records: int | None = None,
+                    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[Record | Rejected]:
     if not path:
         raise ValueError("data source kind 'chat' needs a path")
-    return read_chat(path, max_records)
+    return read_chat(path, max_records, max_line_bytes=max_line_bytes)
 
 
 @dataclass(frozen=True)
@@ -345,6 +376,8 @@ def iter_source(spec) -> Iterator[Record | Rejected]:
     kind = _kind(spec)
     if not kind.train:
         raise ValueError("MT-Bench is an evaluation set: list it under data.eval, not data.train")
+    if spec.kind == "chat":
+        return kind.read(spec.path, spec.max_records, max_line_bytes=spec.max_line_bytes)
     return kind.read(spec.path, spec.max_records)
 
 

@@ -134,3 +134,20 @@ def test_the_export_check_reports_truncated_weights_and_a_broken_config_instead_
     cfg.write_text(cfg.read_text()[:40])
     rep = check_draft(str(out), tiny_verifier)
     assert not rep.ok and "config.json: not valid JSON" in rep.problems[0]
+
+
+def test_a_huge_jsonl_line_is_rejected_unread_and_the_next_lines_are_kept(tmp_path):
+    import tracemalloc
+
+    p = tmp_path / "huge.jsonl"
+    with open(p, "wb") as f:
+        f.write((json.dumps(_conv(0)) + "\n").encode())
+        f.write(b'{"id": "big", "messages": "' + b"x" * (64 << 20) + b'"}\n')  # 64 MiB on one line
+        f.write((json.dumps(_conv(2)) + "\n").encode())
+    tracemalloc.start()
+    kept, rej = _split(read_chat(p, max_line_bytes=1_000_000))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [r.sample_id for r in kept] == ["chat:r0", "chat:r2"]
+    assert [(r.reason, r.where) for r in rej] == [("line_too_long", f"{p}:2")]
+    assert peak < 16 << 20  # the 64 MiB line was never held whole
