@@ -61,6 +61,28 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
+def _publish_local(path: str, data: bytes, publish) -> bool:
+    """Write ``data`` to an fsynced temp file beside ``path``, then ``publish(tmp, path)`` it (``os.replace``, or
+    ``os.link`` for an exclusive create); the temp file never outlives the call, also when the write fails (ENOSPC).
+    Returns False when ``publish`` found ``path`` existing (``FileExistsError``)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        publish(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        try:
+            os.remove(tmp)  # after os.replace it is gone already; after os.link, path keeps the data
+        except OSError:
+            pass
+
+
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old content or the new one, never a part.
 
@@ -68,20 +90,7 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
     fails (ENOSPC), so a failed write leaves nothing. A process killed mid-write can still leave ``*.tmp-*``:
     :func:`remove_temp_files` sweeps them. Object stores: one PUT (atomic per object)."""
     if is_local(fs):
-        fs.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:  # a full disk, an interrupt: no half-written temp file is left behind
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            raise
+        _publish_local(path, data, os.replace)
     else:
         fs.pipe_file(path, data)
 
@@ -94,22 +103,7 @@ def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> b
     (``If-None-Match: *``, s3fs ``mode="create"``; S3 since 2024, MinIO, moto). Used for the writer lease
     (:mod:`eagle3ray.lease`) and the manifest's commit files (:meth:`eagle3ray.blocks.Manifest.commit`)."""
     if is_local(fs):
-        fs.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
+        return _publish_local(path, data, os.link)
     try:
         fs.pipe_file(path, data, mode="create")
     except (FileExistsError, OSError) as e:
