@@ -163,6 +163,16 @@ def test_bad_input_is_counted_and_nothing_is_lost(ray_session, tmp_path, make_cf
     assert sorted(r["sample_id"] for r in _committed_rows(cfg)) == [f"chat:g{i}" for i in range(5)]
 
 
+def interrupt_after(cfg, n_blocks: int) -> None:
+    """Run extract and stop it (an exception from its commit callback) once ``n_blocks`` blocks are committed."""
+    def stop(manifest):
+        if len(manifest["blocks"]) >= n_blocks:
+            raise _Stop()
+
+    with pytest.raises(_Stop):
+        extract(cfg, on_commit=stop, progress=False)
+
+
 class _Stop(Exception):
     pass
 
@@ -172,12 +182,7 @@ def test_interrupted_extraction_resumes_exactly_once(ray_session, tmp_path, make
     cfg = make_cfg([train], "extract.max_tokens_per_batch=512")
     prepare(cfg)
 
-    def stop_after_two(manifest):
-        if len(manifest["blocks"]) >= 2:
-            raise _Stop()
-
-    with pytest.raises(_Stop):
-        extract(cfg, on_commit=stop_after_two, progress=False)
+    interrupt_after(cfg, 2)
     paths = storage.run_paths(cfg)
     man, _ = blocks.read_committed(paths.fs, paths.hidden_states)  # the snapshot with the commit log folded in
     assert not man["complete"] and len(man["blocks"]) == 2

@@ -19,13 +19,9 @@ from eagle3ray.train import train
 from eagle3ray.vocab import build_vocab
 
 from conftest import write_chat_jsonl
-from test_extract import _convs
+from test_extract import _convs, interrupt_after
 
 pytestmark = pytest.mark.slow
-
-
-class _Stop(Exception):
-    pass
 
 
 def test_every_stage_runs_on_s3_with_an_extraction_resumed_there(ray_session, tmp_path,
@@ -38,12 +34,7 @@ def test_every_stage_runs_on_s3_with_an_extraction_resumed_there(ray_session, tm
                    "validation.max_num_seqs=4", storage="s3://eagle3ray/e2e")
     prepare(cfg)
 
-    def stop_after_two(manifest):
-        if len(manifest["blocks"]) >= 2:
-            raise _Stop()
-
-    with pytest.raises(_Stop):
-        extract(cfg, on_commit=stop_after_two, progress=False)
+    interrupt_after(cfg, 2)
     s = extract(cfg, progress=False)  # resumed on S3
     assert s.resumed_from >= 2 and s.total_samples == 32
     paths = storage.run_paths(cfg)
