@@ -155,34 +155,6 @@ def _progress_bar(paths: storage.RunPaths, max_steps: int, enabled: bool):
         bar.close()
 
 
-def latest_checkpoint_on_storage(fs, root: str) -> tuple[int, str] | None:
-    """(step, path) of the newest complete checkpoint under ``root`` (``checkpoints/train``), or None.
-
-    Complete: rank 0's ``step.json`` is there, its weights and trainer state have the sizes it records, and every
-    rank's ``data_rank<r>.json`` for the world size it records is there (:class:`eagle3ray.train_worker.WorkerCheckpoint`).
-    One listing of ``root`` and one small read per checkpoint. Checkpoints written before ``step.json`` existed
-    are left to Ray Train's own record.
-    """
-    best = None
-    try:
-        dirs = [e["name"] for e in fs.ls(root, detail=True)
-                if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")]
-    except FileNotFoundError:
-        return None
-    for d in dirs:
-        try:
-            meta = storage.read_json(fs, f"{d}/step.json")
-            sizes = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(d, detail=True)}
-        except (OSError, ValueError):
-            continue
-        if not meta or not all(sizes.get(n) == v for n, v in (meta.get("sizes") or {"-": -1}).items()) or not all(
-                f"data_rank{r}.json" in sizes for r in range(int(meta.get("world", 1)))):
-            continue  # cut short (a driver killed mid-upload): an older one is used
-        if best is None or int(meta["step"]) > best[0]:
-            best = (int(meta["step"]), d)
-    return best
-
-
 def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> TrainSummary:
     """Run (or resume, or skip when finished) the train stage of ``cfg``.
 
@@ -241,7 +213,7 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> Trai
         "hidden_size": spec.model_identity["hidden_size"], "d2t": d2t.numpy(), "t2d": t2d.numpy(),
         "storage_uri": cfg.run.storage, "endpoint_url": cfg.run.endpoint_url, "run_name": cfg.run.name,
         "hooks": hooks, "code_fingerprint": code_fingerprint(),
-        "stored_checkpoint": latest_checkpoint_on_storage(paths.fs, f"{ck}/train"), "arrow_fs": afs,
+        "arrow_fs": afs,
     }
     resources = {"CPU": cfg.train.cpus_per_worker}
     if cfg.train.use_gpu:

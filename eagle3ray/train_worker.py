@@ -301,14 +301,45 @@ class WorkerCheckpoint:
 
     The data position is kept per sample, not per rank, so a run may resume with another number of workers.
     ``step.json`` lets a new driver find the newest checkpoint on storage without Ray Train's own record
-    (:func:`eagle3ray.train.latest_checkpoint_on_storage`): a driver killed between a checkpoint's upload and
-    Ray Train's snapshot of it would otherwise resume from the one before, or from nothing.
+    (:meth:`latest_on_storage`). Ray Train's own record misses a checkpoint whose report had not reached its
+    controller when the run stopped: a driver killed between a checkpoint's upload and Ray Train's snapshot of
+    it, or a worker that died shortly after reporting (seen on the local S3 endpoint: a worker dead two steps
+    after its checkpoint restarted from step 0). Every worker start, first or restarted, therefore looks at
+    storage too and resumes from whichever is newer.
     """
+
+    @staticmethod
+    def latest_on_storage(fs, root: str) -> tuple[int, str] | None:
+        """(step, path) of the newest complete checkpoint under ``root`` (``checkpoints/train``), or None.
+
+        Complete: rank 0's ``step.json`` is there, its weights and trainer state have the sizes it records, and every
+        rank's ``data_rank<r>.json`` for the world size it records is there (the layout above).
+        One listing of ``root`` and one small read per checkpoint. Checkpoints written before ``step.json`` existed
+        are left to Ray Train's own record.
+        """
+        best = None
+        try:
+            dirs = [e["name"] for e in fs.ls(root, detail=True)
+                    if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")]
+        except FileNotFoundError:
+            return None
+        for d in dirs:
+            try:
+                meta = storage.read_json(fs, f"{d}/step.json")
+                sizes = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(d, detail=True)}
+            except (OSError, ValueError):
+                continue
+            if not meta or not all(sizes.get(n) == v for n, v in (meta.get("sizes") or {"-": -1}).items()) or not all(
+                    f"data_rank{r}.json" in sizes for r in range(int(meta.get("world", 1)))):
+                continue  # cut short (a driver killed mid-upload): an older one is used
+            if best is None or int(meta["step"]) > best[0]:
+                best = (int(meta["step"]), d)
+        return best
 
     @staticmethod
     def newer(ray_ckpt, stored: tuple[int, str] | None, fs):
         """The checkpoint to resume from: Ray Train's (``ray_ckpt``, or None) or ``stored`` ((step, path) from
-        :func:`eagle3ray.train.latest_checkpoint_on_storage`, or None), whichever holds the later step."""
+        :meth:`latest_on_storage`, or None), whichever holds the later step."""
         if stored is None:
             return ray_ckpt
         import ray.train
@@ -502,9 +533,9 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(tc["seed"])  # same init on every rank
     step = DraftStep.build(tc, config["verifier_path"], config["aux_layer_ids"], config["d2t"], config["t2d"],
                            config["hidden_size"], config["autocast_bf16"])
-    stored = config.get("stored_checkpoint")
-    ckpt = WorkerCheckpoint.newer(ray.train.get_checkpoint(), tuple(stored) if stored else None,
-                                  config.get("arrow_fs"))
+    paths = storage.RunPaths.create(config["storage_uri"], config["run_name"], config["endpoint_url"])
+    stored = WorkerCheckpoint.latest_on_storage(paths.fs, f"{paths.sub('checkpoints')}/train")  # at every start
+    ckpt = WorkerCheckpoint.newer(ray.train.get_checkpoint(), stored, config.get("arrow_fs"))
     resumed = WorkerCheckpoint.restore(ckpt, step)
     step.to_device(device, ray.train.torch.prepare_model if world > 1 else None)
     comm, hooks = _Collective(world, device), config.get("hooks") or WorkerHooks()
