@@ -496,7 +496,7 @@ class Manifest:
         """Delete the files under ``blocks/`` that the manifest does not list, and temp files a killed writer left
         in the manifest's folders (:func:`eagle3ray.storage.remove_temp_files`); returns how many."""
         committed = {b["path"] for b in self.data["blocks"]}
-        temps = sum(storage.remove_temp_files(self.fs, d) for d in (self.root, f"{self.root}/{COMMITS_DIR}"))
+        temps = sum(len(storage.remove_temp_files(self.fs, d)) for d in (self.root, f"{self.root}/{COMMITS_DIR}"))
         self.fs.invalidate_cache(f"{self.root}/blocks")  # s3fs caches listings: blocks replicas wrote since
         try:
             files = self.fs.ls(f"{self.root}/blocks", detail=False)

@@ -25,6 +25,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 
+def _check_scratch_folder(folder: str) -> None:
+    """Create ``folder`` if missing (mode 0700); refuse one that is a symlink or another user's.
+
+    The engine's folder is made by :class:`eagle3ray.verifier.HiddenStateScratch` before the engine starts; this
+    guards the connector against a folder replaced or planted in a shared ``/dev/shm`` since.
+
+    Raises:
+        PermissionError: ``folder`` is a symlink or owned by another user.
+    """
+    if not os.path.lexists(folder):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+    if os.path.islink(folder) or st.st_uid != os.geteuid():
+        raise PermissionError(f"hidden-state scratch folder {folder} is a symlink or another user's; refusing to "
+                              "write verifier states into it")
+
+
 class _Done:
     """Stands in for the CUDA event vLLM's connector polls: the copy already happened."""
 
@@ -55,7 +72,7 @@ class CpuSafeHiddenStatesConnector(ExampleHiddenStatesConnector):
             "hidden_states": states.to("cpu").contiguous(),
             "token_ids": pending.token_ids.clone(),
         }
-        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        _check_scratch_folder(os.path.dirname(pending.filename))
         tmp = pending.filename + ".part"
         save_file(tensors, tmp)
         os.replace(tmp, pending.filename)

@@ -49,7 +49,10 @@ def lease_path(paths: storage.RunPaths) -> str:
     return paths.sub(LEASE_FILE)
 
 
-def _process_space() -> str:
+TEMP_MIN_AGE_S = 60.0  # a temp lease file this old is no live attempt to take the lease (those live for ms)
+
+
+def process_space() -> str:
     """This machine's boot id and this process's pid namespace: two processes whose pids can be compared have the
     same (containers with host networking share the host name, not the pid space)."""
     try:
@@ -61,7 +64,7 @@ def _process_space() -> str:
 
 def _holder(stage: str) -> dict:
     now = time.time()
-    return {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "pid_space": _process_space(),
+    return {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "pid_space": process_space(),
             "ray_job_id": os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID"),
             "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300],
             "stage": stage, "since": now, "renewed_at": now}
@@ -83,7 +86,7 @@ def _holder_gone(h: dict) -> bool:
     """True when the holder ran on this host, in this pid space (same boot, same pid namespace), and its process no
     longer exists (a driver SIGKILLed or OOM-killed here): its lease is taken over at once instead of after its ttl. False for any other host (a pod, a node:
     only the ttl can tell), and when the pid exists, even if reused by another process (the safe side)."""
-    here = _process_space()
+    here = process_space()
     if (h.get("host") != socket.gethostname() or not here or h.get("pid_space") != here
             or not isinstance(h.get("pid"), int) or h["pid"] == os.getpid()):
         return False
@@ -160,6 +163,10 @@ def release(paths: storage.RunPaths, me: dict) -> None:
 def held(paths: storage.RunPaths, stage: str, ttl_s: float = DEFAULT_TTL_S):
     """Hold the run's lease while the block runs (acquire, renew every ``ttl_s / 3`` s, release).
 
+    On taking the lease, the ``*.tmp-*`` files anywhere under the run (local disk;
+    :func:`eagle3ray.storage.remove_temp_files`) are removed: only a writer killed mid-write leaves them (a temp
+    lease file younger than :data:`TEMP_MIN_AGE_S` is spared: another process may be trying to take the lease).
+
     Re-entrant within a process: a stage run inside another stage's lease (``with_needs``) reuses it.
     A renewal that finds the lease taken over logs an error (the stage goes on; its commits follow the
     manifests' exactly-once rules).
@@ -170,6 +177,9 @@ def held(paths: storage.RunPaths, stage: str, ttl_s: float = DEFAULT_TTL_S):
         return
     me = acquire(paths, stage, ttl_s)
     _HELD[key] = me
+    swept = storage.remove_temp_files(paths.fs, paths.root, recursive=True, young=(LEASE_FILE, TEMP_MIN_AGE_S))
+    if swept:  # a writer killed mid-write (its lease is ours now): the half-written files it left
+        log.info("%s: removed %d temp file(s) left by a killed writer, e.g. %s", paths.uri, len(swept), swept[0])
     stop = threading.Event()
 
     def loop() -> None:

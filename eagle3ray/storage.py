@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +63,20 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
+def _fsync_dir(folder: str) -> None:
+    """fsync a directory, so that a rename or link in it is durable (POSIX; a no-op where not supported)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _publish_local(path: str, data: bytes, publish) -> bool:
     """Write ``data`` to an fsynced temp file beside ``path``, then ``publish(tmp, path)`` it (``os.replace``, or
     ``os.link`` for an exclusive create); the temp file never outlives the call, also when the write fails (ENOSPC).
@@ -73,6 +89,7 @@ def _publish_local(path: str, data: bytes, publish) -> bool:
             f.flush()
             os.fsync(f.fileno())
         publish(tmp, path)
+        _fsync_dir(os.path.dirname(path))  # the rename itself survives a power loss
         return True
     except FileExistsError:
         return False
@@ -113,15 +130,33 @@ def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> b
     return True
 
 
-def remove_temp_files(fs: fsspec.AbstractFileSystem, folder: str) -> int:
-    """Delete the ``*.tmp-*`` files :func:`write_bytes_atomic` left in ``folder`` (a process killed mid-write);
-    returns how many. Call it only while holding the run's writer lease (no other writer's temp file is live)."""
-    if not is_local(fs) or not fs.exists(folder):
-        return 0
-    stale = [f for f in fs.ls(folder, detail=False) if ".tmp-" in f.rsplit("/", 1)[-1]]
-    for f in stale:
-        fs.rm(f)
-    return len(stale)
+TEMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}$")  # :func:`_publish_local`'s temp files
+
+
+def remove_temp_files(fs: fsspec.AbstractFileSystem, folder: str, *, recursive: bool = False,
+                      young: tuple[str, float] | None = None) -> list[str]:
+    """Delete the ``<name>.tmp-<8 hex>`` files :func:`write_bytes_atomic` / :func:`create_exclusive` left in
+    ``folder`` (a process killed mid-write; local disk only: object stores have no temp files); returns them.
+
+    Call it only while holding the run's writer lease (no other writer's temp file is live). ``young`` =
+    (file name, seconds) spares temp files of that name younger than that: another process's attempt to take the
+    lease (its ``writer.lease.tmp-*`` lives for milliseconds) is the one write the lease does not exclude."""
+    if not is_local(fs) or not os.path.isdir(folder):
+        return []
+    if recursive:
+        found = [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if TEMP_NAME.search(n)]
+    else:
+        found = [os.path.join(folder, n) for n in os.listdir(folder) if TEMP_NAME.search(n)]
+    now, removed = time.time(), []
+    for f in found:
+        try:
+            if young and TEMP_NAME.sub("", os.path.basename(f)) == young[0] and now - os.lstat(f).st_mtime < young[1]:
+                continue
+            os.remove(f)
+            removed.append(f)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def append_line(fs: fsspec.AbstractFileSystem, path: str, line: str) -> None:

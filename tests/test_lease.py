@@ -110,3 +110,46 @@ def test_exclusive_create_on_object_storage(s3_endpoint, monkeypatch):
     assert lease.renew(paths, me)
     lease.release(paths, me)
     lease.release(paths, lease.acquire(paths, "train"))
+
+
+def test_temp_files_of_a_writer_killed_mid_write_are_removed_by_the_next_holder(tmp_path):
+    """A writer SIGKILLed inside write_bytes_atomic (after its temp file is written, before the rename) leaves
+    ``manifest.json.tmp-*``; the next holder of the lease (taken over at once: same host, its pid gone) removes it,
+    and the temp files of killed writers elsewhere in the run (vocab, checkpoints), while a young temp lease file
+    (another process trying to take the lease) stays."""
+    uri = f"file://{tmp_path}"
+    paths = storage.RunPaths.create(uri, "r")
+    code = textwrap.dedent(f"""
+        import os, time
+        from eagle3ray import lease, storage
+        paths = storage.RunPaths.create({uri!r}, "r")
+        with lease.held(paths, "extract"):
+            os.replace = lambda *a: (print("WRITTEN", flush=True), time.sleep(600))  # killed before the rename
+            storage.write_bytes_atomic(paths.fs, paths.sub("hidden_states", "manifest.json"), b"{{}}" * 1000)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert p.stdout.readline().strip() == "WRITTEN"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    left = list((tmp_path / "r" / "hidden_states").glob("manifest.json.tmp-*"))
+    assert len(left) == 1 and left[0].stat().st_size == 2000  # the killed writer's temp file, whole
+    for rel in ("vocab/vocab.json.tmp-0badc0de", "checkpoints/metrics.jsonl.tmp-deadbeef"):
+        (tmp_path / "r" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "r" / rel).write_text("half")
+    attempt = tmp_path / "r" / "writer.lease.tmp-12345678"  # another process's lease attempt, in flight
+    attempt.write_text("{}")
+    not_ours = tmp_path / "r" / "reports" / "notes.tmp-keep.txt"
+    not_ours.parent.mkdir(parents=True)
+    not_ours.write_text("a user's file")
+    with lease.held(paths, "extract"):
+        assert not left[0].exists()
+        assert not (tmp_path / "r" / "vocab" / "vocab.json.tmp-0badc0de").exists()
+        assert not (tmp_path / "r" / "checkpoints" / "metrics.jsonl.tmp-deadbeef").exists()
+        assert attempt.exists() and not_ours.exists()
+    assert attempt.exists()
+    old = time.time() - 2 * lease.TEMP_MIN_AGE_S
+    os.utime(attempt, (old, old))  # an attempt that old was a killed process's too
+    with lease.held(paths, "extract"):
+        assert not attempt.exists()
