@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from . import blocks, code_fingerprint, storage
 from .artifacts import load_vocab, read_metrics, read_vocab_meta
 from .machine import resolve_autocast
-from .train_worker import WorkerHooks, train_loop_per_worker
+from .train_worker import WorkerCheckpoint, WorkerHooks, train_loop_per_worker
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,27 @@ def _progress_bar(paths: storage.RunPaths, max_steps: int, enabled: bool):
         bar.close()
 
 
+def surviving_history(history: list[dict]) -> list[dict]:
+    """The lines of ``checkpoints/metrics.jsonl`` on the lineage that made the final weights.
+
+    An attempt that died after logging steps past its last registered checkpoint leaves lines the resumed
+    attempt logs again: a ``{"event": "resumed", "step": r}`` line drops every earlier line with a step > r.
+    """
+    kept: list[dict] = []
+    for m in history:
+        if m.get("event") == "resumed":
+            kept = [k for k in kept if int(k.get("step", 0)) <= int(m["step"])]
+        kept.append(m)
+    return kept
+
+
+def best_of_history(history: list[dict]) -> dict:
+    """The held-out evaluation with the highest ``val_full_acc_0`` (acceptance at TTT position 0 on the held-out
+    blocks, in [0, 1]) among :func:`surviving_history`; {} when there is none."""
+    return max((m for m in surviving_history(history) if "val_full_acc_0" in m and m.get("event") is None),
+               key=lambda m: m["val_full_acc_0"], default={})
+
+
 def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> TrainSummary:
     """Run (or resume, or skip when finished) the train stage of ``cfg``.
 
@@ -236,11 +257,10 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> Trai
     if result.error:
         raise result.error
     history = read_metrics(paths)
-    best = max((m for m in history if "val_full_acc_0" in m and m.get("event") is None),
-               key=lambda m: m["val_full_acc_0"], default={})
-    best_ckpt = ""
+    best = best_of_history(history)
+    best_ckpt = WorkerCheckpoint.complete_on_storage(paths.fs, f"{ck}/train").get(best.get("step"), "")
     for c, m in getattr(result, "best_checkpoints", None) or []:
-        if m.get("step") == best.get("step"):
+        if not best_ckpt and m.get("step") == best.get("step"):
             best_ckpt = c.path
     if not best_ckpt and result.checkpoint is not None:
         best_ckpt = result.checkpoint.path

@@ -309,32 +309,39 @@ class WorkerCheckpoint:
     """
 
     @staticmethod
-    def latest_on_storage(fs, root: str) -> tuple[int, str] | None:
-        """(step, path) of the newest complete checkpoint under ``root`` (``checkpoints/train``), or None.
+    def complete_on_storage(fs, root: str) -> dict[int, str]:
+        """{step: path} of the complete checkpoints under ``root`` (``checkpoints/train``); for a step saved twice
+        (by an attempt that died and by the one that resumed before it), the later one (Ray Train names its
+        folders ``checkpoint_<timestamp>``).
 
-        Complete: rank 0's ``step.json`` is there, its weights and trainer state have the sizes it records, and every
-        rank's ``data_rank<r>.json`` for the world size it records is there (the layout above).
-        One listing of ``root`` and one small read per checkpoint. Checkpoints written before ``step.json`` existed
-        are left to Ray Train's own record.
+        Complete: rank 0's ``step.json`` is there, its weights and trainer state have the sizes it records, and
+        every rank's ``data_rank<r>.json`` for the world size it records is there (the layout above).
+        One listing of ``root`` and one small read per checkpoint. Checkpoints written before ``step.json``
+        existed are left to Ray Train's own record.
         """
-        best = None
+        found: dict[int, str] = {}
         try:
-            dirs = [e["name"] for e in fs.ls(root, detail=True)
-                    if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")]
+            dirs = sorted(e["name"] for e in fs.ls(root, detail=True)
+                          if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_"))
         except FileNotFoundError:
-            return None
+            return found
         for d in dirs:
             try:
                 meta = storage.read_json(fs, f"{d}/step.json")
                 sizes = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(d, detail=True)}
             except (OSError, ValueError):
                 continue
-            if not meta or not all(sizes.get(n) == v for n, v in (meta.get("sizes") or {"-": -1}).items()) or not all(
-                    f"data_rank{r}.json" in sizes for r in range(int(meta.get("world", 1)))):
+            if not meta or not all(sizes.get(n) == v for n, v in (meta.get("sizes") or {"-": -1}).items()) \
+                    or not all(f"data_rank{r}.json" in sizes for r in range(int(meta.get("world", 1)))):
                 continue  # cut short (a driver killed mid-upload): an older one is used
-            if best is None or int(meta["step"]) > best[0]:
-                best = (int(meta["step"]), d)
-        return best
+            found[int(meta["step"])] = d
+        return found
+
+    @staticmethod
+    def latest_on_storage(fs, root: str) -> tuple[int, str] | None:
+        """(step, path) of the newest complete checkpoint under ``root`` (:meth:`complete_on_storage`), or None."""
+        found = WorkerCheckpoint.complete_on_storage(fs, root)
+        return max(found.items()) if found else None
 
     @staticmethod
     def newer(ray_ckpt, stored: tuple[int, str] | None, fs):

@@ -261,3 +261,39 @@ def test_the_export_check_reads_a_draft_on_an_s3_compatible_endpoint(tmp_path, m
     rep = run_stage(cfg, "check")
     assert rep.ok, rep.problems
     assert rep.shapes["lm_head.weight"] == [512, 128]
+
+
+def test_the_best_checkpoint_is_chosen_from_the_surviving_attempt_not_a_dead_one(tmp_path):
+    """Review row 19: an attempt that died after evaluating step 20 (accuracy 0.9), whose step-20 checkpoint Ray
+    Train never registered, resumed from step 10 and evaluated step 20 again (0.5). best.json must pair the
+    survivor's step-20 weights with the survivor's 0.5, not the dead attempt's 0.9; a step saved twice on storage
+    resolves to the later folder."""
+    import json
+
+    import fsspec
+
+    from eagle3ray.train import best_of_history, surviving_history
+    from eagle3ray.train_worker import WorkerCheckpoint
+
+    history = [{"step": 0, "event": "untrained", "val_full_acc_0": 0.01},
+               {"step": 10, "val_full_acc_0": 0.3}, {"step": 20, "val_full_acc_0": 0.9},  # the dead attempt
+               {"step": 10, "event": "resumed"},
+               {"step": 20, "val_full_acc_0": 0.5}, {"step": 30, "val_full_acc_0": 0.45}]
+    assert [m["step"] for m in surviving_history(history)] == [0, 10, 10, 20, 30]
+    assert best_of_history(history) == {"step": 20, "val_full_acc_0": 0.5}
+    assert best_of_history([{"step": 0, "event": "untrained", "val_full_acc_0": 0.1}]) == {}
+
+    fs = fsspec.filesystem("file")
+    root = tmp_path / "train"
+    for name, step, whole in (("checkpoint_2026-12-01_10-00-00.000000", 20, True),  # the dead attempt's
+                              ("checkpoint_2026-12-01_10-05-00.000000", 20, True),  # the survivor's
+                              ("checkpoint_2026-12-01_10-06-00.000000", 30, False)):  # cut short
+        d = root / name
+        d.mkdir(parents=True)
+        (d / "draft_trainable.safetensors").write_bytes(b"w" * 100)
+        (d / "data_rank0.json").write_text("{}")
+        (d / "step.json").write_text(json.dumps({"step": step, "world": 1, "sizes": {
+            "draft_trainable.safetensors": 100 if whole else 200}}))
+    found = WorkerCheckpoint.complete_on_storage(fs, str(root))
+    assert found == {20: str(root / "checkpoint_2026-12-01_10-05-00.000000")}
+    assert WorkerCheckpoint.latest_on_storage(fs, str(root)) == (20, found[20])
