@@ -41,15 +41,28 @@ CONV_SCHEMA = pa.schema([
 def read_conversations(paths: storage.RunPaths) -> tuple[dict, pa.Table]:
     """The conversations manifest and table (:data:`CONV_SCHEMA`) of a run.
 
+    The table's bytes are checked against the manifest's ``sha256`` and ``bytes``: prepare writes the table
+    before the manifest, so a prepare killed between the two (or a file replaced by hand) would otherwise pair an
+    old manifest with a new table, and extraction would record the old hash for blocks made from the new data.
+
     Raises:
         FileNotFoundError: prepare has not completed for this run.
+        ValueError: the table differs from what its manifest records (names the file and both hashes).
     """
+    import hashlib
+
     man = storage.read_json(paths.fs, f"{paths.conversations}/manifest.json")
     if not man or not man.get("complete"):
         raise FileNotFoundError(f"{paths.uri}/conversations: no complete manifest; run `eagle3ray prepare` first")
-    with paths.fs.open(f"{paths.conversations}/{man['file']}", "rb") as f:
-        table = pq.read_table(f)
-    return man, table
+    path = f"{paths.conversations}/{man['file']}"
+    with paths.fs.open(path, "rb") as f:
+        buf = f.read()
+    digest = hashlib.sha256(buf).hexdigest()
+    if man.get("sha256") and (digest != man["sha256"] or len(buf) != man.get("bytes", len(buf))):
+        raise ValueError(f"{paths.uri}/conversations/{man['file']}: {len(buf)} bytes, sha256 {digest[:16]}..., but "
+                         f"manifest.json records {man.get('bytes')} bytes, sha256 {man['sha256'][:16]}... (a prepare "
+                         "cut short between its two writes, or the file replaced); run `eagle3ray prepare` again")
+    return man, pq.read_table(pa.BufferReader(buf))
 
 
 def load_token_frequencies(paths: storage.RunPaths) -> np.ndarray:

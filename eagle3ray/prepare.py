@@ -24,7 +24,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from . import storage
-from .artifacts import CONV_SCHEMA
+from .artifacts import CONV_SCHEMA, read_conversations
 from .chat import ChatTemplateError, tokenize_conversation, tokenizer_identity
 from .sources import Record, RejectCounter, held_out_user_turns, iter_source, normalize_text
 
@@ -354,6 +354,16 @@ def regenerate_answers(cfg, records: list[Record], tokenizer, generate, rejected
     return out
 
 
+def _table_intact(paths: storage.RunPaths) -> bool:
+    """Whether the conversations table matches its manifest's sha256 (else it is prepared again, with a warning)."""
+    try:
+        read_conversations(paths)
+        return True
+    except (ValueError, FileNotFoundError) as e:
+        log.warning("%s; preparing it again", e)
+        return False
+
+
 def prepare(cfg, force: bool = False, on_chunk=None) -> PrepareSummary:
     """Run the prepare stage for ``cfg`` (see module docstring). Returns the summary.
 
@@ -378,7 +388,8 @@ def prepare(cfg, force: bool = False, on_chunk=None) -> PrepareSummary:
     chash = _config_hash(cfg, spec.model_identity)
     man_path = f"{paths.conversations}/manifest.json"
     existing = storage.read_json(paths.fs, man_path)
-    if existing and existing.get("complete") and existing.get("config_hash") == chash and not force:
+    if existing and existing.get("complete") and existing.get("config_hash") == chash and not force \
+            and _table_intact(paths):
         s = PrepareSummary(samples=existing["counts"]["samples"], tokens=existing["counts"]["tokens"],
                            loss_tokens=existing["counts"]["loss_tokens"], skipped=True,
                            rejected=RejectCounter.from_json(existing["rejected"]), path=paths.uri + "/conversations")

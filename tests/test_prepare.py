@@ -145,6 +145,35 @@ def test_changing_data_sets_the_old_conversations_and_their_blocks_aside(tmp_pat
     assert not paths.fs.exists(paths.sub("conversations.superseded-3"))
 
 
+def test_a_conversations_table_that_differs_from_its_manifest_is_refused_and_prepared_again(tmp_path, make_cfg,
+                                                                                             caplog):
+    """Review row 22: prepare writes the table before its manifest, so a prepare killed between the two (or a file
+    replaced by hand) pairs an old manifest with another table. Reading it names the file and both hashes; the
+    next prepare sees it and prepares the table again instead of skipping."""
+    from eagle3ray import storage
+    from eagle3ray.artifacts import read_conversations
+    from eagle3ray.prepare import prepare
+
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                   {"role": "assistant", "content": f"a{i}"}]}) for i in range(6)))
+    cfg = make_cfg([p], "data.max_samples=3")
+    paths = storage.run_paths(cfg)
+    prepare(cfg)
+    good = paths.fs.cat_file(f"{paths.conversations}/conversations.parquet")
+    other = make_cfg([p], "data.max_samples=4", "run.name=other")
+    prepare(other)
+    swapped = storage.run_paths(other).fs.cat_file(f"{storage.run_paths(other).conversations}/conversations.parquet")
+    paths.fs.pipe_file(f"{paths.conversations}/conversations.parquet", swapped)  # a valid table, not this one
+    with pytest.raises(ValueError, match=r"conversations/conversations.parquet: .* manifest.json records"):
+        read_conversations(paths)
+    with caplog.at_level("WARNING", logger="eagle3ray.prepare"):
+        again = prepare(cfg)
+    assert not again.skipped and again.samples == 3 and "preparing it again" in caplog.text
+    assert paths.fs.cat_file(f"{paths.conversations}/conversations.parquet") == good  # deterministic
+    assert read_conversations(paths)[1].num_rows == 3
+
+
 def _chat_file(tmp_path, n):
     p = tmp_path / "t.jsonl"
     p.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"tell me about number {i}"},
