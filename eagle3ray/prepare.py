@@ -83,7 +83,7 @@ def supersede(paths: storage.RunPaths, why: str) -> int | None:
     while any(paths.fs.exists(paths.sub(f"{d}.superseded-{n}")) for d in DERIVED):
         n += 1
     for d in present:
-        paths.fs.mv(paths.sub(d), paths.sub(f"{d}.superseded-{n}"), recursive=True)
+        storage.move_aside(paths.fs, paths.sub(d), paths.sub(f"{d}.superseded-{n}"))
     log.warning("%s: %s; %s moved to *.superseded-%d (nothing deleted)", paths.uri, why, ", ".join(present), n)
     return n
 
@@ -386,6 +386,9 @@ def prepare(cfg, force: bool = False, on_chunk=None) -> PrepareSummary:
     storage.write_resolved_config(cfg, paths)
     spec = VerifierSpec.from_config(cfg)
     chash = _config_hash(cfg, spec.model_identity)
+    for d in DERIVED:  # a set-aside cut short on an object store is finished before anything reads these
+        if storage.finish_move(paths.fs, paths.sub(d)):
+            log.warning("%s: finished setting %s aside (the move was cut short)", paths.uri, d)
     man_path = f"{paths.conversations}/manifest.json"
     existing = storage.read_json(paths.fs, man_path)
     if existing and existing.get("complete") and existing.get("config_hash") == chash and not force \

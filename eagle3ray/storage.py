@@ -159,6 +159,46 @@ def remove_temp_files(fs: fsspec.AbstractFileSystem, folder: str, *, recursive: 
     return removed
 
 
+MOVE_MARKER = ".moving-to.json"
+
+
+def move_aside(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
+    """Move the folder ``src`` to ``dst`` (a superseded run folder), so that an interrupted move is never taken
+    for a folder to use.
+
+    Local disk: one rename (atomic). Object stores have no rename: ``fs.mv`` copies, then deletes object by
+    object, and a move cut short leaves ``src`` with an arbitrary part of its files (a checkpoints folder without
+    its ``settings.json``, whose Ray Train checkpoints the next training would resume under new settings: review
+    row 8). So a marker ``src/.moving-to.json`` naming ``dst`` is written first and deleted last, and
+    :func:`finish_move` completes a move whose marker it finds.
+    """
+    if is_local(fs):
+        fs.mv(src, dst, recursive=True)
+        return
+    write_json_atomic(fs, f"{src}/{MOVE_MARKER}", {"to": dst})
+    _copy_then_delete(fs, src, dst)
+
+
+def finish_move(fs: fsspec.AbstractFileSystem, src: str) -> str | None:
+    """Complete a :func:`move_aside` of ``src`` that was cut short (its marker is there); returns the folder it
+    went to, or None when there was none. Copying again is safe: the files still in ``src`` are whole."""
+    marker = read_json(fs, f"{src}/{MOVE_MARKER}") if not is_local(fs) else None
+    if not marker:
+        return None
+    _copy_then_delete(fs, src, marker["to"])
+    return marker["to"]
+
+
+def _copy_then_delete(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
+    marker = f"{src}/{MOVE_MARKER}"
+    files = [f for f in fs.find(src) if f != marker]
+    for f in files:
+        fs.copy(f, dst + f[len(src):])
+    if files:
+        fs.rm(files)
+    fs.rm_file(marker)  # last: until now the folder reads as a move in progress
+
+
 def append_line(fs: fsspec.AbstractFileSystem, path: str, line: str) -> None:
     """Append ``line`` and a newline to a text file (created when missing).
 

@@ -85,8 +85,15 @@ _RESUMABLE_FIELDS = ("max_steps", "checkpoint_every", "max_failures", "verify_bl
 
 def train_settings(cfg, paths: storage.RunPaths) -> dict:
     """What the checkpoints of a run depend on, flat (``train.lr``, ``vocab.token_freq_sha256``, ...): the train
-    section less ``_RESUMABLE_FIELDS``, and the draft vocabulary."""
-    vocab = read_vocab_meta(paths) or {}
+    section less ``_RESUMABLE_FIELDS``, and the draft vocabulary.
+
+    Raises:
+        FileNotFoundError: the run has no ``vocab/vocab.json`` (review row 8: read as {} before, it set a finished
+            training aside).
+    """
+    vocab = read_vocab_meta(paths)
+    if not vocab:  # without it the settings would differ from any recorded ones and set a training aside
+        raise FileNotFoundError(f"{paths.uri}/vocab/vocab.json: no draft vocabulary; run `eagle3ray vocab`")
     out = {f"train.{k}": v for k, v in cfg.train.model_dump(mode="json").items() if k not in _RESUMABLE_FIELDS}
     out.update({f"vocab.{k}": vocab.get(k) for k in ("draft_vocab_size", "token_freq_sha256")})
     return out
@@ -100,6 +107,9 @@ def _supersede_if_settings_changed(paths: storage.RunPaths, ck: str, settings: d
     config does not describe, so the old folder becomes ``checkpoints.superseded-<n>`` and training starts over.
     """
     path = f"{ck}/settings.json"
+    moved = storage.finish_move(paths.fs, ck)
+    if moved:
+        log.warning("%s: finished moving superseded checkpoints to %s (the move was cut short)", paths.uri, moved)
     old = storage.read_json(paths.fs, path)
     if old is not None:
         # a setting that a newer eagle3ray added, at its default, trains what the old checkpoints trained
@@ -116,7 +126,7 @@ def _supersede_if_settings_changed(paths: storage.RunPaths, ck: str, settings: d
         n = 1
         while paths.fs.exists(f"{ck}.superseded-{n}"):
             n += 1
-        paths.fs.mv(ck, f"{ck}.superseded-{n}", recursive=True)
+        storage.move_aside(paths.fs, ck, f"{ck}.superseded-{n}")
         log.warning("train settings changed (%s): the previous checkpoints moved to %s.superseded-%d; training "
                     "starts from step 0", "; ".join(changed), ck, n)
         old = None

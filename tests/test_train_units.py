@@ -84,6 +84,78 @@ def test_changed_train_settings_supersede_old_checkpoints(tmp_path, caplog):
     assert paths.fs.exists(f"{ck}.superseded-2/settings.json")
 
 
+def test_a_missing_vocabulary_stops_training_before_any_checkpoint_is_set_aside(tmp_path):
+    """Review row 8: vocab.json missing was read as {}, so the settings differed and a finished training was set
+    aside before load_vocab failed. Now the train settings cannot be computed without it, and nothing moves."""
+    from eagle3ray import storage
+    from eagle3ray.config import load_config
+    from eagle3ray.train import _supersede_if_settings_changed, train_settings
+
+    cfg = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r"])
+    paths = storage.run_paths(cfg)
+    ck = paths.sub("checkpoints")
+    storage.write_json_atomic(paths.fs, f"{paths.sub('vocab')}/vocab.json",
+                              {"draft_vocab_size": 8192, "token_freq_sha256": "abc"})
+    _supersede_if_settings_changed(paths, ck, train_settings(cfg, paths))
+    storage.write_json_atomic(paths.fs, f"{ck}/complete.json", {"max_steps": 120})
+    paths.fs.rm(f"{paths.sub('vocab')}/vocab.json")
+    with pytest.raises(FileNotFoundError, match=r"vocab/vocab.json: no draft vocabulary; run `eagle3ray vocab`"):
+        train_settings(cfg, paths)
+    assert paths.fs.exists(f"{ck}/complete.json") and not paths.fs.exists(f"{ck}.superseded-1")
+
+
+def test_a_set_aside_cut_short_on_s3_is_finished_never_resumed_under_new_settings(tmp_path, s3_endpoint):
+    """Review row 8: on an object store, setting checkpoints aside is a copy and then deletes; cut short in the
+    deletes (here the endpoint errors after deleting half the objects), checkpoints/ kept some of Ray Train's files
+    without its settings.json, and the next training resumed them under the new settings. A marker written first
+    and deleted last makes the next training finish the move: the old files all reach superseded-1, and training
+    starts clean."""
+    from eagle3ray import storage
+    from eagle3ray.config import load_config
+    from eagle3ray.train import _supersede_if_settings_changed, train_settings
+
+    base = ["run.storage=s3://eagle3ray/sup", "run.name=r", f"run.endpoint_url={s3_endpoint}"]
+    cfg = load_config(None, base)
+    paths = storage.run_paths(cfg)
+    fs, ck = paths.fs, paths.sub("checkpoints")
+    storage.write_json_atomic(fs, f"{paths.sub('vocab')}/vocab.json", {"draft_vocab_size": 8192,
+                                                                        "token_freq_sha256": "abc"})
+    _supersede_if_settings_changed(paths, ck, train_settings(cfg, paths))
+    old_files = {}
+    for i in range(6):
+        for name in ("draft_trainable.safetensors", "step.json", "data_rank0.json"):
+            key = f"train/checkpoint_{i}/{name}"
+            fs.pipe_file(f"{ck}/{key}", f"{key} bytes".encode())
+            old_files[key] = f"{key} bytes".encode()
+    old_files["settings.json"] = fs.cat_file(f"{ck}/settings.json")
+
+    real_rm = fs.rm
+
+    def rm_half_then_fail(path, *a, **k):
+        if isinstance(path, list) and len(path) > 2:
+            real_rm(sorted(path)[: len(path) // 2])  # settings.json among the deleted
+            raise ConnectionError("endpoint gone mid-delete")
+        return real_rm(path, *a, **k)
+
+    fs.rm = rm_half_then_fail
+    other = load_config(None, [*base, "train.lr=0.001"])
+    try:
+        with pytest.raises(ConnectionError):
+            _supersede_if_settings_changed(paths, ck, train_settings(other, paths))
+    finally:
+        del fs.rm
+    fs.invalidate_cache()
+    left = {f[len(ck) + 1:] for f in fs.find(ck)}
+    assert "settings.json" not in left and any(k.startswith("train/") for k in left)  # the dangerous state
+    assert storage.MOVE_MARKER in left
+    _supersede_if_settings_changed(paths, ck, train_settings(other, paths))  # the next training
+    fs.invalidate_cache()
+    assert {f[len(ck) + 1:] for f in fs.find(ck)} == {"settings.json"}
+    assert storage.read_json(fs, f"{ck}/settings.json") == train_settings(other, paths)
+    moved = {f[len(ck) + len(".superseded-1") + 1:]: fs.cat_file(f) for f in fs.find(f"{ck}.superseded-1")}
+    assert moved == old_files
+
+
 def test_a_setting_added_later_at_its_default_keeps_old_checkpoints(tmp_path):
     from eagle3ray import storage
     from eagle3ray.config import load_config
