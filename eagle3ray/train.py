@@ -20,12 +20,13 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from . import blocks, code_fingerprint, storage
 from .artifacts import load_vocab, read_metrics, read_vocab_meta
 from .machine import resolve_autocast
-from .train_worker import WorkerCheckpoint, WorkerHooks, train_loop_per_worker
+from .train_worker import NonFiniteLoss, NonFiniteMarker, WorkerCheckpoint, WorkerHooks, train_loop_per_worker
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,8 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> Trai
         blocks.ManifestMismatch: the blocks were made for another verifier/layers/tokenizer.
         blocks.CorruptBlocks: a committed block is missing or differs from its manifest entry.
         ValueError: too few committed blocks to hold out a validation slice.
+        NonFiniteLoss: a step's loss or gradient norm was NaN/Inf (names the step, its samples and the last good
+            checkpoint, which is kept; see :class:`eagle3ray.train_worker.NonFiniteMarker`).
     """
     import ray
     import ray.data
@@ -244,7 +247,7 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> Trai
         "hidden_size": spec.model_identity["hidden_size"], "d2t": d2t.numpy(), "t2d": t2d.numpy(),
         "storage_uri": cfg.run.storage, "endpoint_url": cfg.run.endpoint_url, "run_name": cfg.run.name,
         "hooks": hooks, "code_fingerprint": code_fingerprint(),
-        "arrow_fs": afs,
+        "arrow_fs": afs, "fit_token": uuid.uuid4().hex,
     }
     resources = {"CPU": cfg.train.cpus_per_worker}
     if cfg.train.use_gpu:
@@ -262,9 +265,20 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> Trai
         ),
         datasets={"train": ds_train, "val": ds_val},
     )
+    marker = NonFiniteMarker.path(loop_cfg)
+    if paths.fs.exists(marker):
+        paths.fs.rm_file(marker)  # an earlier fit's: this one tries again
     with _progress_bar(paths, cfg.train.max_steps, progress):
         result = trainer.fit()
     if result.error:
+        nonfinite = storage.read_json(paths.fs, marker)
+        if nonfinite and nonfinite.get("fit") == loop_cfg["fit_token"]:
+            last = WorkerCheckpoint.latest_on_storage(paths.fs, f"{ck}/train")
+            raise NonFiniteLoss(
+                f"{paths.uri}: training stopped, {nonfinite['error']} (rank {nonfinite['rank']}). The last good "
+                f"checkpoint is {'step %d, %s' % last if last else 'none (no checkpoint was written yet)'}; it is "
+                "kept and a re-run resumes from it. Look for bad hidden states in these samples (`eagle3ray verify "
+                "-c CONFIG`), or lower train.lr.") from result.error
         raise result.error
     history = read_metrics(paths)
     best = best_of_history(history)

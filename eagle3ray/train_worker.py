@@ -95,6 +95,37 @@ class NonFiniteLoss(RuntimeError):
     Raised before the optimizer step, so no checkpoint holds the damage."""
 
 
+class NonFiniteMarker:
+    """``checkpoints/nonfinite.json``: {"fit", "rank", "error"}, written by the worker whose step was non-finite.
+
+    Ray Train retries every worker error up to ``train.max_failures`` (its ``FailureConfig`` cannot exempt one), and
+    a retry resumes from the last checkpoint and reaches the same data again. So a (re)started worker of the same
+    ``fit`` (a token the driver draws per ``trainer.fit``) that finds the marker raises at once, before training,
+    and the driver reports the first error (:func:`eagle3ray.train.train`). The driver removes the marker before
+    each fit: a new ``eagle3ray train`` (with another ``train.lr``, say) tries again.
+    """
+
+    @staticmethod
+    def path(config: dict) -> str:
+        paths = storage.RunPaths.create(config["storage_uri"], config["run_name"], config["endpoint_url"])
+        return f"{paths.sub('checkpoints')}/nonfinite.json"
+
+    @staticmethod
+    def write(config: dict, rank: int, error: str) -> None:
+        paths = storage.RunPaths.create(config["storage_uri"], config["run_name"], config["endpoint_url"])
+        storage.write_json_atomic(paths.fs, NonFiniteMarker.path(config),
+                                  {"fit": config.get("fit_token"), "rank": rank, "error": error})
+
+    @staticmethod
+    def raise_if_set(config: dict) -> None:
+        """Raises:
+            NonFiniteLoss: this fit already met a non-finite step (its message)."""
+        paths = storage.RunPaths.create(config["storage_uri"], config["run_name"], config["endpoint_url"])
+        m = storage.read_json(paths.fs, NonFiniteMarker.path(config))
+        if m and m.get("fit") == config.get("fit_token"):
+            raise NonFiniteLoss(f"{m['error']} (rank {m['rank']}; not trained again on a retry)")
+
+
 class EpochBatches:
     """One epoch of a Ray Data shard as packed batches ``(sample_ids, batch)``, skipping ``skip`` ids.
 
@@ -428,10 +459,18 @@ class WorkerHooks:
         fail_at_step: the last worker exits (``os._exit(1)``, a real process death) at this step on the first
             attempt (not after a resume).
         trace_dir: each worker appends the sample ids of every step there (``rank<r>-<pid>-<ns>.jsonl``).
+        nan_at_step: a NaN in the hidden states of this step's batch, on every attempt (:meth:`poison`).
     """
 
     fail_at_step: int | None = None
     trace_dir: str | None = None
+    nan_at_step: int | None = None
+
+    def poison(self, step: int, batch: dict) -> None:
+        """With ``nan_at_step``: one NaN in the batch's hidden states at that step, on every attempt (a block of
+        bad states read again on a retry)."""
+        if self.nan_at_step is not None and step == self.nan_at_step:
+            batch["hidden_states"].view(-1)[0] = float("nan")
 
     def start(self, rank: int) -> None:
         self._trace = None
@@ -543,6 +582,7 @@ def train_loop_per_worker(config: dict) -> None:
     paths = storage.RunPaths.create(config["storage_uri"], config["run_name"], config["endpoint_url"])
     stored = WorkerCheckpoint.latest_on_storage(paths.fs, f"{paths.sub('checkpoints')}/train")  # at every start
     ckpt = WorkerCheckpoint.newer(ray.train.get_checkpoint(), stored, config.get("arrow_fs"))
+    NonFiniteMarker.raise_if_set(config)  # a retry would reach the same non-finite step again
     resumed = WorkerCheckpoint.restore(ckpt, step)
     step.to_device(device, ray.train.torch.prepare_model if world > 1 else None)
     comm, hooks = _Collective(world, device), config.get("hooks") or WorkerHooks()
@@ -575,7 +615,12 @@ def train_loop_per_worker(config: dict) -> None:
                 tail += len(ids) + batches.drain()
                 break
             hooks.before_step(pos.step, rank, world, resumed is not None)
-            accumulate(sums, step.step(batch, f"step {pos.step + 1} (epoch {pos.epoch}, samples {ids})"))
+            hooks.poison(pos.step + 1, batch)
+            try:
+                accumulate(sums, step.step(batch, f"step {pos.step + 1} (epoch {pos.epoch}, samples {ids})"))
+            except NonFiniteLoss as e:
+                NonFiniteMarker.write(config, rank, str(e))
+                raise
             pos.step += 1
             mine.update(ids)
             tokens_since += int((batch["document_ids"] >= 0).sum())

@@ -102,6 +102,39 @@ def test_killed_worker_resumes_from_checkpoint_without_skipping_data(trained):
     assert len(epoch0) > 0.6 * 64 * (1 - cfg.train.val_fraction)
 
 
+def test_a_nan_in_training_stops_the_run_naming_the_step_and_samples_and_keeps_the_last_good_checkpoint(trained,
+                                                                                                      tmp_path):
+    """Item 6 end to end: a NaN in the hidden states of step 4 (on every attempt, as bad data would be) stops
+    training with an error naming the step, its samples and the last good checkpoint (step 3), which stays on
+    storage; Ray Train's retries (train.max_failures=2) raise at once instead of training to step 4 again."""
+    from eagle3ray.config import load_config
+    from eagle3ray.train_worker import NonFiniteLoss
+
+    cfg, _, _, cfg_path = trained
+    src = storage.run_paths(cfg)
+    nan_cfg = load_config(cfg_path, ["run.name=nan", "train.max_steps=8", "train.checkpoint_every=3",
+                                     "train.max_failures=2", "train.num_workers=1"])
+    dst = storage.run_paths(nan_cfg)
+    for d in ("conversations", "hidden_states", "vocab"):
+        shutil.copytree(src.sub(d), dst.sub(d))
+    trace = tmp_path / "trace"
+    with pytest.raises(NonFiniteLoss) as e:
+        train(nan_cfg, hooks=WorkerHooks(nan_at_step=4, trace_dir=str(trace)))
+    msg = str(e.value)
+    assert "step 4 (epoch 0, samples [" in msg and "loss is nan" in msg, msg
+    assert "last good checkpoint is step 3" in msg, msg
+    steps = [json.loads(line)["step"] for f in glob.glob(str(trace / "*.jsonl")) for line in open(f) if line.strip()]
+    assert sorted(steps) == [1, 2, 3]  # one attempt trained; the retries stopped before training
+    assert len(glob.glob(str(trace / "*.jsonl"))) == 1
+    history = read_metrics(dst)
+    assert [m["step"] for m in history if m.get("event") is None] == [3]
+    assert not any(m.get("event") == "resumed" for m in history)
+    from eagle3ray.train_worker import WorkerCheckpoint
+
+    last = WorkerCheckpoint.latest_on_storage(dst.fs, dst.sub("checkpoints", "train"))
+    assert last and last[0] == 3 and not dst.fs.exists(dst.sub("checkpoints", "complete.json"))
+
+
 def test_rerun_of_finished_training_does_nothing(trained):
     cfg, s, _, _ = trained
     again = train(cfg)
