@@ -90,3 +90,41 @@ def test_a_call_past_its_own_deadline_fails_the_health_check(monkeypatch):
     release.set()
     t.join()
     r.check_health()
+
+
+def test_a_unit_whose_every_attempt_times_out_raises_unit_timeout_naming_it_and_the_setting(caplog):
+    """The client side of a hang, every attempt: each call that gets no answer within unit_timeout_s x
+    (queue_depth + 1) is cancelled and sent again (logged), and after the last retry UnitTimeout names the unit and
+    extract.unit_timeout_s. (A real hang in a live replica, once, is the cluster test's; here the service is a
+    stand-in whose responses never answer.)"""
+    from eagle3ray.extract import BlockWriter, UnitTimeout
+
+    cancelled, sent = [], []
+
+    class NeverAnswers:
+        def result(self, timeout_s):
+            time.sleep(min(timeout_s, 0.05))
+            raise TimeoutError(f"no result in {timeout_s} s")
+
+        def cancel(self):
+            cancelled.append(1)
+
+    class Method:
+        def remote(self, *args):
+            sent.append(args)
+            return NeverAnswers()
+
+    class Handle:
+        extract = Method()
+
+    w = BlockWriter.__new__(BlockWriter)
+    w.handle, w.block_writer, w.storage_dtype = Handle(), "data_actor", "bfloat16"
+    w.max_retries, w.retry_pause_s, w.unit_timeout_s, w.wait_s = 2, 0.0, 0.02, 0.04
+    samples = [{"sample_id": f"s{i}", "input_ids": [1, 2, 3]} for i in range(3)]
+    with caplog.at_level("WARNING", logger="eagle3ray.extract"):
+        with pytest.raises(UnitTimeout, match=r"unit s0..s2 \(3 samples\): no answer in 0 s .*on all 3 attempts; "
+                                              r"raise extract.unit_timeout_s"):
+            w._call(samples)
+    assert len(sent) == 3 and len(cancelled) == 3
+    assert all(a[2] == 0.02 for a in sent)  # every call carries the replica's deadline
+    assert caplog.text.count("retry ") == 2
