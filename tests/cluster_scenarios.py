@@ -454,12 +454,14 @@ def driver_kill(args) -> dict:
     p.send_signal(signal.SIGKILL)
     r["train_killed_rc"] = p.wait()
     r["checkpoints_at_kill"] = sorted(c.rsplit("/", 1)[-1] for c in checkpoints())
-    # Ray Train's own record of its checkpoints, removed: as when the driver dies before Ray writes it; the re-run
-    # must find the newest checkpoint on storage by itself (step.json)
+    # Ray Train's own record of its checkpoints, removed if the killed driver got to write it (it writes it a
+    # poll or two after the report, so often it did not): the re-run must find the newest checkpoint on storage by
+    # itself (step.json)
     snap = f"{ck}/train/checkpoint_manager_snapshot.json"
-    r["ray_snapshot_removed"] = paths.fs.exists(snap)
-    if r["ray_snapshot_removed"]:
+    r["ray_snapshot_existed"] = paths.fs.exists(snap)
+    if r["ray_snapshot_existed"]:
         paths.fs.rm(snap)
+    r["ray_record_at_rerun"] = paths.fs.exists(snap)
     q = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
     r["train_rerun_rc"], r["train_rerun_out"] = q.returncode, (q.stdout + q.stderr)[-3000:]
     r["traces"] = {}

@@ -134,7 +134,7 @@ def test_driver_sigkilled_mid_extract_and_mid_train_loses_nothing_and_repeats_no
     steps, resumed = (int(x) if x != "None" else None for x in
                       r["train_rerun_out"].split("STEPS ", 1)[1].split()[:3:2])
     assert steps == 12 and resumed is not None and resumed >= 3 and resumed % 3 == 0
-    assert r["ray_snapshot_removed"]  # so the resume came from the checkpoint's own step.json
+    assert not r["ray_record_at_rerun"]  # Ray Train had no record: the resume came from the checkpoint's step.json
     traces = list(r["traces"].values())
     first = next(t for t in traces if t[0]["step"] == 1)
     second = next(t for t in traces if t[0]["step"] == resumed + 1)
