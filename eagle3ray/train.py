@@ -268,9 +268,14 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> Trai
     marker = NonFiniteMarker.path(loop_cfg)
     if paths.fs.exists(marker):
         paths.fs.rm_file(marker)  # an earlier fit's: this one tries again
+    error = None
     with _progress_bar(paths, cfg.train.max_steps, progress):
-        result = trainer.fit()
-    if result.error:
+        try:
+            result = trainer.fit()
+            error = result.error
+        except Exception as e:  # noqa: BLE001 - Ray Train V2 raises TrainingFailedError from fit(); re-raised
+            error = e
+    if error is not None:
         nonfinite = storage.read_json(paths.fs, marker)
         if nonfinite and nonfinite.get("fit") == loop_cfg["fit_token"]:
             last = WorkerCheckpoint.latest_on_storage(paths.fs, f"{ck}/train")
@@ -278,8 +283,8 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> Trai
                 f"{paths.uri}: training stopped, {nonfinite['error']} (rank {nonfinite['rank']}). The last good "
                 f"checkpoint is {'step %d, %s' % last if last else 'none (no checkpoint was written yet)'}; it is "
                 "kept and a re-run resumes from it. Look for bad hidden states in these samples (`eagle3ray verify "
-                "-c CONFIG`), or lower train.lr.") from result.error
-        raise result.error
+                "-c CONFIG`), or lower train.lr.") from error
+        raise error
     history = read_metrics(paths)
     best = best_of_history(history)
     best_ckpt = WorkerCheckpoint.complete_on_storage(paths.fs, f"{ck}/train").get(best.get("step"), "")
