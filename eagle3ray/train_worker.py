@@ -546,6 +546,18 @@ def _write_progress(config: dict, entry: dict) -> None:
     storage.write_json_atomic(paths.fs, progress_path(paths), entry)
 
 
+def _train_step(config: dict, step: DraftStep, hooks: WorkerHooks, rank: int, pos: DataPosition, ids: list[str],
+                batch: dict) -> dict:
+    """One optimizer step of the loop (metric sums); a non-finite one is recorded for the retries
+    (:class:`NonFiniteMarker`) before it is raised."""
+    hooks.poison(pos.step + 1, batch)
+    try:
+        return step.step(batch, f"step {pos.step + 1} (epoch {pos.epoch}, samples {ids})")
+    except NonFiniteLoss as e:
+        NonFiniteMarker.write(config, rank, str(e))
+        raise
+
+
 def _report(config: dict, step: DraftStep, rank: int, pos: DataPosition, mine: set, report: dict) -> None:
     """Checkpoint + ``ray.train.report`` + metrics.jsonl + Ray metrics."""
     import ray.train
@@ -615,12 +627,7 @@ def train_loop_per_worker(config: dict) -> None:
                 tail += len(ids) + batches.drain()
                 break
             hooks.before_step(pos.step, rank, world, resumed is not None)
-            hooks.poison(pos.step + 1, batch)
-            try:
-                accumulate(sums, step.step(batch, f"step {pos.step + 1} (epoch {pos.epoch}, samples {ids})"))
-            except NonFiniteLoss as e:
-                NonFiniteMarker.write(config, rank, str(e))
-                raise
+            accumulate(sums, _train_step(config, step, hooks, rank, pos, ids, batch))
             pos.step += 1
             mine.update(ids)
             tokens_since += int((batch["document_ids"] >= 0).sum())

@@ -164,6 +164,8 @@ def test_a_setting_added_later_at_its_default_keeps_old_checkpoints(tmp_path):
     cfg = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r"])
     paths = storage.run_paths(cfg)
     ck = paths.sub("checkpoints")
+    storage.write_json_atomic(paths.fs, f"{paths.sub('vocab')}/vocab.json",
+                              {"draft_vocab_size": 8192, "token_freq_sha256": "abc"})
     old = train_settings(cfg, paths)
     del old["train.hidden_noise"]  # checkpoints written before the option existed
     storage.write_json_atomic(paths.fs, f"{ck}/settings.json", old)
