@@ -419,6 +419,20 @@ class VerifierEngine(_EngineCounters):
         return [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
                  "finish_reason": o.outputs[0].finish_reason} for o in outs]
 
+    def probe(self) -> None:
+        """A one-token greedy decode of a one-token prompt (the replica's idle health probe; no hidden states
+        written, not counted in the engine's metrics).
+
+        Raises:
+            whatever the engine raises: vLLM's ``EngineDeadError`` when its engine-core process or a
+            tensor-parallel worker died.
+        """
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=1, temperature=0.0,
+                            extra_args={"kv_transfer_params": {"skip_hidden_states": True}})
+        self.llm.generate([{"prompt_token_ids": [0]}], sp, use_tqdm=False)
+
 
 class StandInEngine(_EngineCounters):
     """A verifier engine that loads no model, with :class:`VerifierEngine`'s interface (``extract``,
@@ -490,6 +504,11 @@ class StandInEngine(_EngineCounters):
         self._count_generate(prompts)
         return [{"token_ids": list(p[-max_new_tokens:]), "text": "stand-in answer", "finish_reason": "length"}
                 for p in prompts]
+
+    def probe(self) -> None:
+        """The idle health probe (:meth:`VerifierEngine.probe`): no model, so only a fault file can make it fail
+        (``crash_probe_once``, ``hang_probe_once``)."""
+        stand_in_fault("probe", [])
 
 
 #: Environment variable naming the folder of the stand-in engine's fault files (rehearsals and fault tests only).

@@ -14,6 +14,7 @@ token-budgeted batch, and vLLM's offline ``LLM`` is not re-entrant.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import ray
@@ -58,7 +59,9 @@ def _replica_options(spec: VerifierSpec, num_cpus: float, resources: dict | None
 class VerifierDeployment:
     """Serve wrapper around :class:`VerifierEngine` (methods forwarded unchanged), with a health check.
 
-    Serve calls :meth:`check_health` every 10 s; when it raises, Serve marks the replica unhealthy, stops it
+    Serve calls :meth:`check_health` every 10 s; when the replica has been idle ``EAGLE3RAY_ENGINE_PROBE_S``
+    (default 60 s) since its last probe, the check calls the engine itself (a one-token decode, never at the same
+    time as a request). When it raises, Serve marks the replica unhealthy, stops it
     and starts a replacement (the extraction client retries the unit; ``eagle3ray.extract.BlockWriter``). It
     raises when the engine failed a call with anything but bad input (:class:`VerifierError`: a vLLM engine
     that died inside a live replica would otherwise fail every later unit, and later jobs would reuse the broken
@@ -76,14 +79,23 @@ class VerifierDeployment:
         self.broken: str | None = None
         self.busy: tuple[float, float] | None = None  # (started, deadline) of the call in progress
         self.hang_s = float(os.environ.get("EAGLE3RAY_ENGINE_HANG_S", "1800"))
+        self.probe_every_s = float(os.environ.get("EAGLE3RAY_ENGINE_PROBE_S", "60"))
+        self.probed_at = time.time()
+        self._engine_lock = threading.Lock()  # one engine call at a time: a request or the idle probe
 
     def _guarded(self, fn, *args, timeout_s: float | None = None):
         from .verifier import VerifierError
 
         if self.broken:
             raise RuntimeError(f"verifier replica unhealthy, waiting for Serve to replace it: {self.broken}")
-        now = time.time()
-        self.busy = (now, now + (timeout_s or self.hang_s))
+        with self._engine_lock:
+            now = time.time()
+            self.busy = (now, now + (timeout_s or self.hang_s))
+            return self._call_engine(fn, *args)
+
+    def _call_engine(self, fn, *args):
+        from .verifier import VerifierError
+
         try:
             return fn(*args)
         except VerifierError:
@@ -106,6 +118,30 @@ class VerifierDeployment:
         if busy is not None and time.time() > busy[1]:
             raise RuntimeError(f"engine call running for {time.time() - busy[0]:.0f} s, past its deadline of "
                                f"{busy[1] - busy[0]:.0f} s: hung")
+        if busy is None and time.time() - self.probed_at >= self.probe_every_s:
+            import asyncio
+
+            await asyncio.get_running_loop().run_in_executor(None, self._probe_if_idle)
+            if self.broken:
+                raise RuntimeError(f"engine failed its probe: {self.broken}")
+
+    def _probe_if_idle(self) -> None:
+        """Call the engine (:meth:`eagle3ray.verifier.VerifierEngine.probe`: a one-token decode) when no request
+        holds it, so an engine that died or wedged while idle is found before a unit is sent to it. A probe that
+        runs past ``EAGLE3RAY_ENGINE_PROBE_S`` x 2 (or 60 s) is a hang: the next check sees ``busy`` past its
+        deadline."""
+        if not self._engine_lock.acquire(blocking=False):
+            return  # a request holds the engine: its own deadline judges it
+        try:
+            now = time.time()
+            self.busy = (now, now + max(60.0, 2 * self.probe_every_s))
+            self._call_engine(self.engine.probe)
+        except Exception:  # noqa: BLE001 - recorded in self.broken by _call_engine
+            pass
+        finally:
+            self.busy = None
+            self.probed_at = time.time()
+            self._engine_lock.release()
 
     def info(self) -> dict:
         """The engine's info plus where the replica runs (node id, placement group) and ``pinned``."""

@@ -12,6 +12,12 @@ from eagle3ray.verifier import VerifierError
 class FakeEngine:
     def __init__(self, fail=None, block: threading.Event | None = None):
         self.fail, self.block = fail, block
+        self.probes, self.probe_fail = 0, None
+
+    def probe(self):
+        self.probes += 1
+        if self.probe_fail is not None:
+            raise self.probe_fail
 
     def extract(self, samples, storage_dtype):
         if self.block is not None:
@@ -128,3 +134,38 @@ def test_a_unit_whose_every_attempt_times_out_raises_unit_timeout_naming_it_and_
     assert len(sent) == 3 and len(cancelled) == 3
     assert all(a[2] == 0.02 for a in sent)  # every call carries the replica's deadline
     assert caplog.text.count("retry ") == 2
+
+
+def test_an_idle_engine_that_died_fails_the_probe_of_the_health_check(monkeypatch):
+    """Item 5: the health check calls the engine (a one-token decode) once the replica has been idle
+    EAGLE3RAY_ENGINE_PROBE_S: an engine that died while idle is found before a unit is sent to it."""
+    monkeypatch.setenv("EAGLE3RAY_ENGINE_PROBE_S", "0")
+    r = replica(monkeypatch, FakeEngine())
+    r.check_health()
+    assert r.engine.probes == 1  # idle: probed
+    r.engine.probe_fail = RuntimeError("EngineDeadError: EngineCore encountered an issue")
+    with pytest.raises(RuntimeError, match="engine failed its probe: RuntimeError: EngineDeadError"):
+        r.check_health()
+    with pytest.raises(RuntimeError, match="unhealthy"):
+        r.extract([{"sample_id": "a"}])  # no unit reaches it; Serve replaces the replica
+
+
+def test_the_probe_never_calls_the_engine_while_a_request_holds_it(monkeypatch):
+    monkeypatch.setenv("EAGLE3RAY_ENGINE_PROBE_S", "0")
+    gate = threading.Event()
+    r = replica(monkeypatch, FakeEngine(block=gate))
+    t = threading.Thread(target=r.extract, args=([{"sample_id": "a"}],))
+    t.start()
+    deadline = time.time() + 5
+    while r.busy is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert r.busy is not None
+    r.check_health()  # within its deadline: healthy, and no probe beside the running call
+    assert r.engine.probes == 0
+    r.busy = None  # as if the request had just finished: the probe finds the engine still held and skips
+    r.check_health()
+    assert r.engine.probes == 0
+    gate.set()
+    t.join(5)
+    r.check_health()
+    assert r.engine.probes == 1

@@ -84,6 +84,8 @@ def load_with_sample_2_mismatched(path):
     return data
 
 
+engine.probe()  # the replica's idle health probe: a one-token decode, no states file
+files_after_probe = os.listdir(engine.scratch.path)
 hs.load_hidden_states = load_with_sample_2_mismatched
 try:
     engine.extract(samples)
@@ -91,6 +93,7 @@ try:
 except VerifierError as e:
     error = str(e)
 print("RESULT " + json.dumps({"ok": len(ok), "files_after_ok": files_after_ok, "error": error,
+                              "files_after_probe": files_after_probe,
                               "files_after_error": os.listdir(engine.scratch.path), "scratch": engine.scratch.path}))
 """
 
@@ -107,7 +110,7 @@ def test_a_batch_rejected_at_its_second_sample_leaves_no_scratch_file(tiny_verif
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads(line[len("RESULT "):])
-    assert r["ok"] == 4 and r["files_after_ok"] == []
+    assert r["ok"] == 4 and r["files_after_ok"] == [] and r["files_after_probe"] == []
     assert r["error"] and "sample s1" in r["error"] and "token ids" in r["error"]
     assert r["files_after_error"] == []
     assert not os.path.exists(r["scratch"])  # removed at the engine process's exit
