@@ -90,6 +90,34 @@ def test_a_template_that_refuses_a_conversation_raises_a_countable_error_naming_
         _prompt_ids(_RaisingTemplate(), msgs[:2])
 
 
+def test_prepare_counts_a_conversation_its_template_refuses_and_keeps_the_others(tmp_path, tiny_verifier, make_cfg):
+    """B5 through prepare: a verifier whose chat template raises (raise_exception) for one conversation; that record
+    is counted as chat_template with its file and record, and every other conversation is prepared."""
+    import shutil
+
+    from eagle3ray.prepare import prepare
+
+    model = tmp_path / "refusing-verifier"
+    shutil.copytree(tiny_verifier, model)
+    guard = ("{%- for m in messages %}{%- if 'REFUSE' in m['content'] %}"
+             "{{ raise_exception('this template refuses REFUSE') }}{%- endif %}{%- endfor %}")
+    jinja = model / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(guard + jinja.read_text())
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    if "chat_template" in tok_cfg:
+        tok_cfg["chat_template"] = guard + tok_cfg["chat_template"]
+        (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    src = tmp_path / "chat.jsonl"
+    convs = [[{"role": "user", "content": f"question {i}" + (" REFUSE" if i == 2 else "")},
+              {"role": "assistant", "content": f"answer {i}"}] for i in range(4)]
+    src.write_text("\n".join(json.dumps({"messages": m}) for m in convs) + "\n")
+    s = prepare(make_cfg([src], f"verifier.model={model}"))
+    assert s.samples == 3 and s.rejected.counts == {"chat_template": 1}, s.rejected.to_json()
+    (example,) = s.rejected.examples["chat_template"]
+    assert "chat.jsonl:3" in example and "this template refuses REFUSE" in example  # file and line
+
+
 def test_a_verifier_path_that_does_not_exist_is_named_without_a_hub_lookup(tmp_path):
     from eagle3ray.verifier_source import VerifierSourceError, resolve_verifier
 
