@@ -143,6 +143,15 @@ def test_changing_data_sets_the_old_conversations_and_their_blocks_aside(tmp_pat
         paths.sub("conversations.superseded-1"))
     assert prepare(make_cfg([p], "data.max_samples=4")).skipped  # the same settings again: nothing moves
     assert not paths.fs.exists(paths.sub("conversations.superseded-3"))
+    # moved back (docs/faults.md: "move them back to resume"), the first conversations are the run's again: the
+    # first setting's prepare is satisfied by them, and the partial extraction beside them is untouched
+    paths.fs.mv(paths.conversations, paths.sub("conversations.mine"), recursive=True)
+    paths.fs.mv(paths.sub("conversations.superseded-1"), paths.conversations, recursive=True)
+    paths.fs.mv(paths.sub("hidden_states.superseded-1"), paths.hidden_states, recursive=True)
+    back = prepare(cfg)
+    assert back.skipped and back.samples == 3
+    assert paths.fs.cat_file(f"{paths.conversations}/conversations.parquet") == old_conv
+    assert paths.fs.cat_file(f"{paths.hidden_states}/block-000001.parquet") == b"a partial extraction's block"
 
 
 def test_a_conversations_table_that_differs_from_its_manifest_is_refused_and_prepared_again(tmp_path, make_cfg,
