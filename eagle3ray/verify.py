@@ -48,10 +48,23 @@ class VerifySummary:
 def verify(cfg, repair: bool = False, sha256: bool = True) -> VerifySummary:
     """Verify (and with ``repair`` drop) the committed blocks of ``cfg``'s run.
 
+    With ``repair`` the run's writer lease is held throughout (:mod:`eagle3ray.lease`): the manifest is read and
+    rewritten by one writer, never beside a running extraction.
+
     Raises:
         FileNotFoundError: the run has no hidden-state manifest.
+        eagle3ray.lease.LeaseHeld: with ``repair``, another writer holds the run.
     """
     paths = storage.run_paths(cfg)
+    if repair:
+        from .lease import held
+
+        with held(paths, "verify --repair"):
+            return _verify(paths, True, sha256)
+    return _verify(paths, False, sha256)
+
+
+def _verify(paths: storage.RunPaths, repair: bool, sha256: bool) -> VerifySummary:
     data, _ = blocks.read_committed(paths.fs, paths.hidden_states)
     man = blocks.Manifest(paths.fs, paths.hidden_states, data)
     s = VerifySummary(path=f"{paths.uri}/hidden_states", blocks=len(data["blocks"]), samples=data["counts"]["samples"])

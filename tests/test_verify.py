@@ -99,3 +99,38 @@ def test_training_refuses_a_corrupt_block_before_ray_train_starts(tmp_path):
     with pytest.raises(blocks.CorruptBlocks) as e:
         train(size_only)
     assert set(e.value.problems) == {"blocks/part-0.parquet", "blocks/part-1.parquet"}  # size cannot see a flip
+
+
+def test_repair_holds_the_writer_lease_and_is_refused_beside_a_running_writer(tmp_path):
+    """`verify --repair` rewrites the manifest, so it takes the run's writer lease: refused (LeaseHeld, naming the
+    holder) while another process holds it, the manifest untouched; plain `verify` only reads and still runs."""
+    import subprocess
+    import sys
+    import textwrap
+
+    cfg, paths, man = _run_with_blocks(tmp_path)
+    _damage(paths)
+    before = paths.fs.cat_file(f"{paths.hidden_states}/manifest.json")
+
+    code = textwrap.dedent(f"""
+        import time
+        from eagle3ray import lease, storage
+        paths = storage.RunPaths.create({cfg.run.storage!r}, "v")
+        with lease.held(paths, "extract", ttl_s=30):
+            print("READY", flush=True)
+            time.sleep(60)
+    """)
+    w = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert w.stdout.readline().strip() == "READY"
+        r = CliRunner().invoke(app, ["verify", f"run.storage={cfg.run.storage}", "run.name=v", "--repair"])
+        from eagle3ray.lease import LeaseHeld  # eagle3ray's main() prints it as "error: ..." and exits 1
+
+        assert isinstance(r.exception, LeaseHeld), r.output
+        assert "another writer holds this run" in str(r.exception) and f"pid {w.pid}" in str(r.exception)
+        assert paths.fs.cat_file(f"{paths.hidden_states}/manifest.json") == before
+        r = CliRunner().invoke(app, ["verify", f"run.storage={cfg.run.storage}", "run.name=v"])
+        assert r.exit_code == 1 and "part-0.parquet" in r.output, r.output  # reading needs no lease
+    finally:
+        w.kill()
+        w.wait()
