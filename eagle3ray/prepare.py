@@ -243,7 +243,7 @@ def answer_engine(cfg, spec):
         return
     from .serving_engine import ServingEngine
 
-    from ray.exceptions import RayActorError
+    from ray.exceptions import GetTimeoutError, RayActorError
 
     from .machine import engine_actor_options
 
@@ -256,15 +256,18 @@ def answer_engine(cfg, spec):
             enforce_eager=v.enforce_eager, max_num_seqs=v.max_num_seqs, seed=v.seed,
             cpu_kv_cache_gib=v.cpu_kv_cache_gib, gpu_memory_utilization=v.gpu_memory_utilization,
             tensor_parallel_size=v.tensor_parallel_size, device=v.device, cpu_threads=v.cpu_threads)
-        ray.get(e.__ray_ready__.remote())
+        try:  # the load is bounded too: a wedged load must not block prepare without a line
+            ray.get(e.__ray_ready__.remote(), timeout=d.regenerate_timeout_s)
+        except GetTimeoutError as err:
+            ray.kill(e)
+            raise RuntimeError(f"the dedicated regeneration engine did not load within data.regenerate_timeout_s "
+                               f"({d.regenerate_timeout_s:.0f} s); look at its log, or raise the setting") from err
         log.info("dedicated regeneration engine loaded in %.1f s", time.time() - t0)
         return e
 
     eng = [start()]
 
     def generate(prompts, seed):
-        from ray.exceptions import GetTimeoutError
-
         for attempt in range(REGENERATE_RETRIES + 1):
             try:
                 return ray.get(eng[0].generate.remote(prompts, d.max_new_tokens, d.temperature, seed=seed),

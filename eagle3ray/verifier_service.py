@@ -277,9 +277,21 @@ def start_for_config(cfg, pinned: bool = False) -> serve.handle.DeploymentHandle
                                  cfg.verifier.num_cpus, cfg.verifier.ray_resources, pinned=pinned)
 
 
+ANNOUNCE_TIMEOUT_S = 30.0
+
+
 def _announce(what: str, name: str, handle) -> None:
-    """One line (stdout, so Ray Job logs carry it) naming the service and its replica's process."""
-    info = handle.info.remote().result()
+    """One line (stdout, so Ray Job logs carry it) naming the service and its replica's process. The info call
+    waits behind the replica's running request (one at a time): after :data:`ANNOUNCE_TIMEOUT_S` the line says the
+    replica is busy instead of blocking the caller."""
+    resp = handle.info.remote()
+    try:
+        info = resp.result(timeout_s=ANNOUNCE_TIMEOUT_S)
+    except TimeoutError:
+        resp.cancel()
+        print(f"[eagle3ray] verifier service {name} {what}: its replica is busy with a request (no info within "
+              f"{ANNOUNCE_TIMEOUT_S:.0f} s)", flush=True)
+        return
     print(f"[eagle3ray] verifier service {name} {what}: replica pid {info['pid']}, engine loads in that "
           f"process {info['loads_in_process']}, loaded {info['uptime_seconds']:.0f} s ago "
           f"(load took {info['load_seconds']:.1f} s), extract calls so far {info['extract_calls']}", flush=True)

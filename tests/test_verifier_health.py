@@ -169,3 +169,29 @@ def test_the_probe_never_calls_the_engine_while_a_request_holds_it(monkeypatch):
     t.join(5)
     r.check_health()
     assert r.engine.probes == 1
+
+
+def test_the_service_announcement_does_not_wait_forever_behind_a_busy_replica(monkeypatch, capsys):
+    """Every remote call has a timeout: the one-line announcement of a reused service asks its replica for info,
+    which queues behind a running unit (one request at a time); past ANNOUNCE_TIMEOUT_S it says so and returns."""
+    monkeypatch.setattr(verifier_service, "ANNOUNCE_TIMEOUT_S", 0.05)
+    cancelled = []
+
+    class Busy:
+        def result(self, timeout_s=None):
+            assert timeout_s == 0.05
+            time.sleep(timeout_s)
+            raise TimeoutError
+
+        def cancel(self):
+            cancelled.append(1)
+
+    class Handle:
+        class info:
+            @staticmethod
+            def remote():
+                return Busy()
+
+    verifier_service._announce("reused", "eagle3ray-verifier-x", Handle())
+    assert "eagle3ray-verifier-x reused: its replica is busy with a request" in capsys.readouterr().out
+    assert cancelled == [1]
