@@ -82,13 +82,18 @@ class _Strict(BaseModel):
         return v
 
 
+#: Storage protocols whose writes are atomic for eagle3ray's commits (eagle3ray.storage.write_bytes_atomic): local
+#: disk (temp file + rename) and object stores (one whole-object PUT). sftp, HDFS, WebDAV or SMB write in place.
+ATOMIC_SCHEMES = frozenset({"file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+
+
 class RunSection(_Strict):
     """Where the run lives: ``<storage>/<name>/{conversations,hidden_states,vocab,checkpoints,export,reports}``."""
 
     name: str = Field(description="Run name; the directory under `storage`.")
     storage: str = Field(
         "file://./runs",
-        description="Root URI: file://PATH (relative paths are relative to the working directory), s3://BUCKET/PREFIX, gs://...",
+        description="Root URI: file://PATH (relative paths are relative to the working directory), s3://BUCKET/PREFIX, gs://, az://; protocols that cannot write atomically (sftp, hdfs, ...) are refused.",
     )
     endpoint_url: str | None = Field(
         None, description="S3-compatible endpoint (e.g. http://127.0.0.1:9000). Credentials come from the environment."
@@ -110,6 +115,17 @@ class RunSection(_Strict):
 
             if parse_duration(v) <= 0:
                 raise ValueError("run.time_budget must be positive")
+        return v
+
+    @field_validator("storage")
+    @classmethod
+    def _atomic_store(cls, v: str) -> str:
+        scheme = v.split("://", 1)[0].lower() if "://" in v else "file"
+        if scheme not in ATOMIC_SCHEMES:
+            raise ValueError(
+                f"run.storage {scheme}:// is not supported: eagle3ray's commits need writes that readers see whole "
+                "or not at all (a rename on local disk, one PUT on an object store); on this protocol a crash can "
+                f"leave a manifest cut short. Use one of: {', '.join(s + '://' for s in sorted(ATOMIC_SCHEMES))}")
         return v
 
     @field_validator("name")

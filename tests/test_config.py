@@ -183,3 +183,17 @@ def test_autocast_off_is_read_as_written(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("run: {name: r}\ntrain: {autocast: off}\n")
     assert load_config(f).train.autocast == "off"
+
+
+@pytest.mark.parametrize("uri", ["sftp://host/runs", "hdfs://nn/runs", "webdav://host/runs", "smb://host/share"])
+def test_storage_that_cannot_write_atomically_is_refused(uri):
+    """Review row 21: on these fsspec protocols a write goes in place, so a crash can leave a manifest cut short;
+    only local disk (rename) and object stores (one PUT) are accepted."""
+    with pytest.raises(ConfigError, match=r"run.storage .* is not supported: .*atomic|run.storage .*not supported"):
+        load_config(None, [f"run.storage={uri}", "run.name=r"])
+
+
+def test_local_and_object_store_roots_are_accepted():
+    for uri in ("file:///tmp/runs", "s3://bucket/runs", "gs://bucket/runs", "az://container/runs"):
+        assert load_config(None, [f"run.storage={uri}", "run.name=r"]).run.storage == uri
+    assert load_config(None, ["run.storage=./runs", "run.name=r"]).run.storage.startswith("file:///")
