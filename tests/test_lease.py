@@ -1,4 +1,5 @@
 """One writer per run: a real second process is refused, a killed holder's lease expires and is taken over."""
+import json
 import os
 import signal
 import subprocess
@@ -153,3 +154,24 @@ def test_temp_files_of_a_writer_killed_mid_write_are_removed_by_the_next_holder(
     os.utime(attempt, (old, old))  # an attempt that old was a killed process's too
     with lease.held(paths, "extract"):
         assert not attempt.exists()
+
+
+def test_a_held_lease_is_renewed_while_the_work_runs_and_a_taken_over_one_is_not_overwritten(tmp_path, caplog):
+    """held() renews every ttl/3 in its thread: a stage longer than the ttl keeps its lease (another writer is
+    refused after several ttls), and once another writer took the lease over, the renewal logs it and writes
+    nothing over the new holder's lease."""
+    paths = storage.RunPaths.create(f"file://{tmp_path}", "r")
+    ttl = 0.6
+    with lease.held(paths, "extract", ttl_s=ttl) as me:
+        first = me["renewed_at"]
+        time.sleep(3 * ttl)  # three ttls: without renewal the lease would have expired twice over
+        cur = json.loads((tmp_path / "r" / lease.LEASE_FILE).read_text())
+        assert cur["token"] == me["token"] and cur["renewed_at"] > first + ttl
+        with pytest.raises(lease.LeaseHeld):
+            lease.acquire(paths, "train", ttl_s=ttl)
+        thief = dict(cur, token="another-writer", pid=cur["pid"] + 1)
+        (tmp_path / "r" / lease.LEASE_FILE).write_text(json.dumps(thief))  # taken over (as after an expiry)
+        with caplog.at_level("ERROR", logger="eagle3ray.lease"):
+            time.sleep(ttl)
+        assert json.loads((tmp_path / "r" / lease.LEASE_FILE).read_text())["token"] == "another-writer"
+        assert "taken over by another writer" in caplog.text
