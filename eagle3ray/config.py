@@ -333,7 +333,8 @@ class ExtractSection(_Strict):
         "verifier (float32, CPU) and compared per layer id before the extraction is marked complete; a layer off "
         "its tolerance, or closer to another layer, fails the stage (eagle3ray/audit.py). 0 = no audit.")
     max_storage_gib: float | None = Field(
-        None, gt=0, description="Preflight: refuse a plan whose hidden states would exceed this much storage.")
+        None, gt=0, description="Hidden-state storage limit: preflight refuses a plan whose estimate exceeds it, "
+        "and extract stops (committed blocks kept) once the committed blocks exceed it.")
 
     @model_validator(mode="before")
     @classmethod

@@ -133,6 +133,28 @@ DEATHS_BEFORE_SPLIT = 2
 ROW_COLUMNS = ("path", "rows", "tokens", "bytes", "sha256", "sample_ids", "seconds", "retries", "crashed")
 
 
+class StorageLimitExceeded(RuntimeError):
+    """The committed blocks passed ``extract.max_storage_gib``; what was committed stays committed."""
+
+
+def _check_storage_limit(cfg, committed_bytes: int, committed_samples: int, total: int) -> None:
+    """Stop the stage once the committed blocks exceed ``extract.max_storage_gib`` (preflight estimates the size
+    beforehand; this holds the limit when the estimate was low, e.g. longer answers than expected).
+
+    Raises:
+        StorageLimitExceeded: naming the committed size, the limit and how to go on.
+    """
+    limit = cfg.extract.max_storage_gib
+    if limit is None or committed_bytes <= limit * 2**30:
+        return
+    per_sample = committed_bytes / max(committed_samples, 1)
+    raise StorageLimitExceeded(
+        f"extract.max_storage_gib {limit}: the committed blocks hold {committed_bytes / 2**30:.3f} GiB after "
+        f"{committed_samples} of {total} samples (about {per_sample * total / 2**30:.2f} GiB for all). Committed "
+        "blocks are kept: raise the limit and run extract again to resume, lower data.max_samples, or use "
+        "extract.storage_dtype: float8_e4m3 (half the bytes)")
+
+
 class UnitTimeout(TimeoutError):
     """A unit got no answer from the verifier service within its timeout, on every attempt."""
 
@@ -381,6 +403,7 @@ def _commit_blocks(cfg, manifest: blocks.Manifest, rows, *, app: str, rejected: 
     from . import metrics
 
     bar = tqdm(total=total, desc="extract", unit="sample", disable=not progress)
+    planned = manifest.data["counts"]["samples"] + total  # committed before this run, and this run's
     t0, t_replicas, alive = time.time(), 0.0, None
     for row in rows:
         if not summary.blocks:
@@ -401,6 +424,7 @@ def _commit_blocks(cfg, manifest: blocks.Manifest, rows, *, app: str, rejected: 
         summary.tokens += row["tokens"]
         summary.bytes_written += row["bytes"]
         summary.blocks += 1
+        _check_storage_limit(cfg, manifest.data["counts"]["bytes"], manifest.data["counts"]["samples"], planned)
         bar.update(row["rows"])
         tok_s = summary.tokens / max(time.time() - t0, 1e-9)
         bar.set_postfix(tok_s=f"{tok_s:.0f}", retries=summary.retries)

@@ -204,6 +204,29 @@ def test_interrupted_extraction_resumes_exactly_once(ray_session, tmp_path, make
 
 
 
+def test_the_storage_limit_stops_extraction_keeping_what_was_committed_and_a_larger_one_resumes(ray_session,
+                                                                                                  tmp_path, make_cfg):
+    """extract.max_storage_gib holds at runtime, not only in preflight's estimate: past the limit the stage stops
+    naming the committed size, the limit and the ways on; the committed blocks stay, and a larger limit resumes."""
+    from eagle3ray.extract import StorageLimitExceeded
+
+    train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(24, words=25, seed=8))
+    cfg = make_cfg([train], "extract.max_tokens_per_batch=512", "extract.max_storage_gib=0.0001")  # ~105 kB
+    prepare(cfg)
+    with pytest.raises(StorageLimitExceeded, match=r"extract.max_storage_gib 0.0001: the committed blocks hold "
+                                                   r".* GiB after \d+ of 24 samples .*raise the limit"):
+        extract(cfg, progress=False)
+    paths = storage.run_paths(cfg)
+    man, _ = blocks.read_committed(paths.fs, paths.hidden_states)
+    assert not man["complete"] and man["blocks"] and man["counts"]["bytes"] > 0.0001 * 2**30
+    kept = {b["path"] for b in man["blocks"]}
+    s = extract(make_cfg([train], "extract.max_tokens_per_batch=512", "extract.max_storage_gib=1"), progress=False)
+    assert s.resumed_from > 0
+    man = storage.read_json(*_man(cfg))
+    assert man["complete"] and kept <= {b["path"] for b in man["blocks"]}
+    assert sorted(r["sample_id"] for r in _committed_rows(cfg)) == sorted(f"chat:c{i}" for i in range(24))
+
+
 def test_replica_written_blocks_hold_the_same_states_exactly_once(ray_session, tmp_path, make_cfg):
     """extract.block_writer: replica (the replica writes each block) with two writers per replica gives the same
     committed samples and states as the default path, where the states travel to a Ray Data writer actor."""
