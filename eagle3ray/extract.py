@@ -145,8 +145,8 @@ def _check_storage_limit(cfg, committed_bytes: int, committed_samples: int, tota
         StorageLimitExceeded: naming the committed size, the limit and how to go on.
     """
     limit = cfg.extract.max_storage_gib
-    if limit is None or committed_bytes <= limit * 2**30:
-        return
+    if limit is None or committed_bytes <= limit * 2**30 or committed_samples >= total:
+        return  # (the last block over the limit: the extraction is whole, nothing more will be written)
     per_sample = committed_bytes / max(committed_samples, 1)
     raise StorageLimitExceeded(
         f"extract.max_storage_gib {limit}: the committed blocks hold {committed_bytes / 2**30:.3f} GiB after "

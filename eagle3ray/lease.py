@@ -163,8 +163,8 @@ def release(paths: storage.RunPaths, me: dict) -> None:
 def held(paths: storage.RunPaths, stage: str, ttl_s: float = DEFAULT_TTL_S):
     """Hold the run's lease while the block runs (acquire, renew every ``ttl_s / 3`` s, release).
 
-    On taking the lease, the ``*.tmp-*`` files anywhere under the run (local disk;
-    :func:`eagle3ray.storage.remove_temp_files`) are removed: only a writer killed mid-write leaves them (a temp
+    On taking the lease, the ``*.tmp-*`` files in the run's folders (local disk; :func:`_sweep_temp_files`) are
+    removed: only a writer killed mid-write leaves them (a temp
     lease file younger than :data:`TEMP_MIN_AGE_S` is spared: another process may be trying to take the lease).
 
     Re-entrant within a process: a stage run inside another stage's lease (``with_needs``) reuses it.
@@ -177,9 +177,6 @@ def held(paths: storage.RunPaths, stage: str, ttl_s: float = DEFAULT_TTL_S):
         return
     me = acquire(paths, stage, ttl_s)
     _HELD[key] = me
-    swept = storage.remove_temp_files(paths.fs, paths.root, recursive=True, young=(LEASE_FILE, TEMP_MIN_AGE_S))
-    if swept:  # a writer killed mid-write (its lease is ours now): the half-written files it left
-        log.info("%s: removed %d temp file(s) left by a killed writer, e.g. %s", paths.uri, len(swept), swept[0])
     stop = threading.Event()
 
     def loop() -> None:
@@ -194,6 +191,7 @@ def held(paths: storage.RunPaths, stage: str, ttl_s: float = DEFAULT_TTL_S):
     t = threading.Thread(target=loop, daemon=True, name="eagle3ray-lease")
     t.start()
     try:
+        _sweep_temp_files(paths)
         yield me
     finally:
         stop.set()
@@ -206,6 +204,29 @@ def held(paths: storage.RunPaths, stage: str, ttl_s: float = DEFAULT_TTL_S):
 
 
 _HELD: dict[str, dict] = {}
+
+
+def _sweep_temp_files(paths: storage.RunPaths) -> None:
+    """Remove the temp files a writer killed mid-write left in the run's own folders (its lease is ours now).
+    Ray Train's checkpoint folders (none of ours there) and set-aside ``*.superseded-*`` folders are not walked;
+    a file that cannot be removed is logged, never fatal."""
+    if not storage.is_local(paths.fs) or not os.path.isdir(paths.root):
+        return
+    swept = []
+    for name in sorted(os.listdir(paths.root)):
+        folder = os.path.join(paths.root, name)
+        if ".superseded-" in name or not os.path.isdir(folder):
+            continue
+        try:
+            swept += storage.remove_temp_files(paths.fs, folder, recursive=True, skip=("train",))
+        except OSError as e:
+            log.warning("%s: could not sweep temp files in %s (%s)", paths.uri, folder, e)
+    try:
+        swept += storage.remove_temp_files(paths.fs, paths.root, young=(LEASE_FILE, TEMP_MIN_AGE_S))
+    except OSError as e:
+        log.warning("%s: could not sweep temp files in %s (%s)", paths.uri, paths.root, e)
+    if swept:
+        log.info("%s: removed %d temp file(s) left by a killed writer, e.g. %s", paths.uri, len(swept), swept[0])
 
 
 def exit_on_sigterm() -> None:

@@ -18,6 +18,7 @@ Credentials are never read from configs or logged: s3fs takes them from the envi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -29,6 +30,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
 
 
 def normalize_root(uri: str) -> str:
@@ -134,7 +137,7 @@ TEMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}$")  # :func:`_publish_local`'s temp f
 
 
 def remove_temp_files(fs: fsspec.AbstractFileSystem, folder: str, *, recursive: bool = False,
-                      young: tuple[str, float] | None = None) -> list[str]:
+                      young: tuple[str, float] | None = None, skip: tuple[str, ...] = ()) -> list[str]:
     """Delete the ``<name>.tmp-<8 hex>`` files :func:`write_bytes_atomic` / :func:`create_exclusive` left in
     ``folder`` (a process killed mid-write; local disk only: object stores have no temp files); returns them.
 
@@ -144,7 +147,10 @@ def remove_temp_files(fs: fsspec.AbstractFileSystem, folder: str, *, recursive: 
     if not is_local(fs) or not os.path.isdir(folder):
         return []
     if recursive:
-        found = [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if TEMP_NAME.search(n)]
+        found = []
+        for d, subdirs, names in os.walk(folder):
+            subdirs[:] = [s for s in subdirs if s not in skip]  # ``skip``: folder names not walked into
+            found += [os.path.join(d, n) for n in names if TEMP_NAME.search(n)]
     else:
         found = [os.path.join(folder, n) for n in os.listdir(folder) if TEMP_NAME.search(n)]
     now, removed = time.time(), []
@@ -156,6 +162,8 @@ def remove_temp_files(fs: fsspec.AbstractFileSystem, folder: str, *, recursive: 
             removed.append(f)
         except FileNotFoundError:
             pass
+        except OSError as e:  # another user's file, a read-only mount: left, named
+            log.warning("could not remove temp file %s (%s)", f, e)
     return removed
 
 

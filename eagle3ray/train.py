@@ -170,11 +170,12 @@ def surviving_history(history: list[dict]) -> list[dict]:
     """The lines of ``checkpoints/metrics.jsonl`` on the lineage that made the final weights.
 
     An attempt that died after logging steps past its last registered checkpoint leaves lines the resumed
-    attempt logs again: a ``{"event": "resumed", "step": r}`` line drops every earlier line with a step > r.
+    attempt logs again: a ``{"event": "resumed", "step": r}`` line drops every earlier line with a step > r, and an
+    ``untrained`` line (an attempt that started from no checkpoint) every earlier line.
     """
     kept: list[dict] = []
     for m in history:
-        if m.get("event") == "resumed":
+        if m.get("event") in ("resumed", "untrained"):
             kept = [k for k in kept if int(k.get("step", 0)) <= int(m["step"])]
         kept.append(m)
     return kept

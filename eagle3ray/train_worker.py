@@ -370,9 +370,19 @@ class WorkerCheckpoint:
 
     @staticmethod
     def latest_on_storage(fs, root: str) -> tuple[int, str] | None:
-        """(step, path) of the newest complete checkpoint under ``root`` (:meth:`complete_on_storage`), or None."""
-        found = WorkerCheckpoint.complete_on_storage(fs, root)
-        return max(found.items()) if found else None
+        """(step, path) of the newest complete checkpoint under ``root`` (:meth:`complete_on_storage`) whose every
+        ``data_rank<r>.json`` parses (a rank killed mid-upload can leave one cut short: the one before is used),
+        or None."""
+        for step_, path in sorted(WorkerCheckpoint.complete_on_storage(fs, root).items(), reverse=True):
+            try:
+                for f in fs.ls(path, detail=False):
+                    if f.rsplit("/", 1)[-1].startswith("data_rank"):
+                        json.loads(fs.cat_file(f))
+            except (OSError, ValueError):
+                log.warning("checkpoint %s: a data_rank file is cut short; resuming from an older one", path)
+                continue
+            return step_, path
+        return None
 
     @staticmethod
     def newer(ray_ckpt, stored: tuple[int, str] | None, fs):
@@ -592,7 +602,13 @@ def train_loop_per_worker(config: dict) -> None:
     step = DraftStep.build(tc, config["verifier_path"], config["aux_layer_ids"], config["d2t"], config["t2d"],
                            config["hidden_size"], config["autocast_bf16"])
     paths = storage.RunPaths.create(config["storage_uri"], config["run_name"], config["endpoint_url"])
-    stored = WorkerCheckpoint.latest_on_storage(paths.fs, f"{paths.sub('checkpoints')}/train")  # at every start
+    stored = WorkerCheckpoint.latest_on_storage(paths.fs, f"{paths.sub('checkpoints')}/train") if rank == 0 else None
+    if world > 1:  # rank 0's choice for all: listings may differ (NFS attribute caches), positions must not
+        import torch.distributed as dist
+
+        box = [stored]
+        dist.broadcast_object_list(box, src=0)
+        stored = box[0]
     ckpt = WorkerCheckpoint.newer(ray.train.get_checkpoint(), stored, config.get("arrow_fs"))
     NonFiniteMarker.raise_if_set(config)  # a retry would reach the same non-finite step again
     resumed = WorkerCheckpoint.restore(ckpt, step)

@@ -208,6 +208,7 @@ class HiddenStateScratch:
         self.root = root
         space = process_space()
         self.space = hashlib.sha256(space.encode()).hexdigest()[:8] if space else "nospace"
+        os.makedirs(root, exist_ok=True)
         self.swept = self.sweep_stale(root, self.space)
         self.path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{self.space}-{os.getpid()}-", dir=root)
         import atexit
@@ -431,6 +432,7 @@ class VerifierEngine(_EngineCounters):
 
         sp = SamplingParams(max_tokens=1, temperature=0.0,
                             extra_args={"kv_transfer_params": {"skip_hidden_states": True}})
+        pin_threads(self._threads)  # the probe runs on another thread than requests (serving_engine.pin_threads)
         self.llm.generate([{"prompt_token_ids": [0]}], sp, use_tqdm=False)
 
 

@@ -89,9 +89,14 @@ class VerifierDeployment:
         if self.broken:
             raise RuntimeError(f"verifier replica unhealthy, waiting for Serve to replace it: {self.broken}")
         with self._engine_lock:
+            if self.broken:  # found by the probe while this request waited for the engine
+                raise RuntimeError(f"verifier replica unhealthy, waiting for Serve to replace it: {self.broken}")
             now = time.time()
             self.busy = (now, now + (timeout_s or self.hang_s))
-            return self._call_engine(fn, *args)
+            try:
+                return self._call_engine(fn, *args)
+            finally:
+                self.probed_at = time.time()  # a request is a probe too: idle time counts from here
 
     def _call_engine(self, fn, *args):
         from .verifier import VerifierError
