@@ -385,6 +385,21 @@ class WorkerCheckpoint:
         return None
 
     @staticmethod
+    def stored_for_all(config: dict, rank: int, world: int) -> tuple[int, str] | None:
+        """:meth:`latest_on_storage` of the run, chosen by rank 0 and broadcast to every rank (listings may differ
+        between nodes, e.g. NFS attribute caches; the data positions and optimizer state must not)."""
+        paths = storage.RunPaths.create(config["storage_uri"], config["run_name"], config["endpoint_url"])
+        stored = WorkerCheckpoint.latest_on_storage(paths.fs, f"{paths.sub('checkpoints')}/train") \
+            if rank == 0 else None
+        if world > 1:
+            import torch.distributed as dist
+
+            box = [stored]
+            dist.broadcast_object_list(box, src=0)
+            stored = box[0]
+        return stored
+
+    @staticmethod
     def newer(ray_ckpt, stored: tuple[int, str] | None, fs):
         """The checkpoint to resume from: Ray Train's (``ray_ckpt``, or None) or ``stored`` ((step, path) from
         :meth:`latest_on_storage`, or None), whichever holds the later step."""
@@ -601,15 +616,8 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(tc["seed"])  # same init on every rank
     step = DraftStep.build(tc, config["verifier_path"], config["aux_layer_ids"], config["d2t"], config["t2d"],
                            config["hidden_size"], config["autocast_bf16"])
-    paths = storage.RunPaths.create(config["storage_uri"], config["run_name"], config["endpoint_url"])
-    stored = WorkerCheckpoint.latest_on_storage(paths.fs, f"{paths.sub('checkpoints')}/train") if rank == 0 else None
-    if world > 1:  # rank 0's choice for all: listings may differ (NFS attribute caches), positions must not
-        import torch.distributed as dist
-
-        box = [stored]
-        dist.broadcast_object_list(box, src=0)
-        stored = box[0]
-    ckpt = WorkerCheckpoint.newer(ray.train.get_checkpoint(), stored, config.get("arrow_fs"))
+    ckpt = WorkerCheckpoint.newer(ray.train.get_checkpoint(), WorkerCheckpoint.stored_for_all(config, rank, world),
+                                  config.get("arrow_fs"))
     NonFiniteMarker.raise_if_set(config)  # a retry would reach the same non-finite step again
     resumed = WorkerCheckpoint.restore(ckpt, step)
     step.to_device(device, ray.train.torch.prepare_model if world > 1 else None)
