@@ -20,11 +20,13 @@ ours because speculators' ``Trainer`` is CUDA-only (FIELD_NOTES).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import random
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -454,16 +456,24 @@ class WorkerCheckpoint:
 
     @staticmethod
     def save(d: str, step: DraftStep, rank: int, n_steps: int, epoch: int, mine: set) -> None:
-        """Write this rank's part of a checkpoint into folder ``d`` (``mine``: ids this rank consumed this epoch)."""
+        """Write this rank's part of a checkpoint into folder ``d`` (``mine``: ids this rank consumed this epoch).
+
+        Raises:
+            OSError: ``ENOSPC`` naming the file, the folder and the free and needed bytes when the file system
+                holding ``d`` is too full for the checkpoint (:meth:`_write`); torch's own error for a full disk
+                is ``RuntimeError: basic_ios::clear: iostream error``, which names neither.
+        """
         import torch
         from safetensors.torch import save_file
 
         if rank == 0:
-            save_file({n: p.detach().cpu().contiguous() for n, p in step.core.named_parameters() if p.requires_grad},
-                      os.path.join(d, TRAINABLE_FILE))
-            torch.save({"optimizer": step.optimizer.state_dict(), "scheduler": step.scheduler.state_dict(),
-                        "step": n_steps, "epoch": epoch, "torch_rng": torch.get_rng_state()},
-                       os.path.join(d, STATE_FILE))
+            trainable = {n: p.detach().cpu().contiguous() for n, p in step.core.named_parameters() if p.requires_grad}
+            need = 3 * sum(t.numel() * t.element_size() for t in trainable.values())  # weights + AdamW's 2 moments
+            WorkerCheckpoint._write(d, TRAINABLE_FILE, need, n_steps,
+                                    lambda path: save_file(trainable, path))
+            WorkerCheckpoint._write(d, STATE_FILE, need, n_steps, lambda path: torch.save(
+                {"optimizer": step.optimizer.state_dict(), "scheduler": step.scheduler.state_dict(),
+                 "step": n_steps, "epoch": epoch, "torch_rng": torch.get_rng_state()}, path))
         with open(os.path.join(d, f"data_rank{rank}.json"), "w") as f:
             json.dump({"epoch": epoch, "consumed": sorted(mine)}, f)
         if rank == 0:
@@ -473,6 +483,26 @@ class WorkerCheckpoint:
             with open(os.path.join(d, "step.json"), "w") as f:
                 json.dump({"step": n_steps, "epoch": epoch, "world": ray.train.get_context().get_world_size(),
                            "sizes": sizes}, f)
+
+
+    @staticmethod
+    def _write(d: str, name: str, need: int, n_steps: int, write) -> None:
+        """``write(path)`` for ``d/name``; a failure on a file system with fewer than ``need`` bytes free (a full
+        disk: safetensors and torch.save word it as an I/O error) is raised as ``OSError(ENOSPC)`` naming the
+        file, the step, the free and needed bytes, and where the folder comes from (``TMPDIR``: Ray Train writes
+        a checkpoint in a local temporary folder first, then uploads it to ``run.storage``)."""
+        path = os.path.join(d, name)
+        try:
+            write(path)
+        except Exception as e:
+            free = shutil.disk_usage(d).free
+            if free >= need and not (isinstance(e, OSError) and e.errno == errno.ENOSPC):
+                raise
+            raise OSError(errno.ENOSPC, f"no space left for the step-{n_steps} checkpoint file {path}: "
+                          f"{free:,} bytes free where it needs about {need:,} (the local temporary folder a "
+                          f"checkpoint is written to before its upload; set TMPDIR for the Ray workers or free "
+                          f"space, then run train again: it resumes from the last checkpoint). "
+                          f"Original error: {type(e).__name__}: {e}") from e
 
 
 # ------------------------------------------------------------------------------------------------ hooks

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,30 @@ def stop_cluster(temp_dir: str, gcs: int) -> None:
             except psutil.Error:
                 pass
     subprocess.run(["rm", "-rf", temp_dir])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs mounted at tmp_path/small (root only; skipped where mounting is not allowed)."""
+    d = tmp_path / "small"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:200]})")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)])
+
+
+def fill_disk(folder) -> str:
+    """Write a filler file until the file system is full; returns its path."""
+    path = os.path.join(folder, "filler")
+    with open(path, "wb", buffering=0) as f:  # unbuffered: the last partial write is not left for close()
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return path

@@ -19,7 +19,7 @@ from eagle3ray import blocks, storage
 from eagle3ray.extract import extract
 from eagle3ray.prepare import prepare
 
-from conftest import free_port, write_chat_jsonl
+from conftest import fill_disk, free_port, write_chat_jsonl
 from test_extract import _convs
 
 pytestmark = pytest.mark.slow
@@ -40,33 +40,6 @@ def _state(cfg) -> dict:
             "ids": blocks.committed_sample_ids(paths.fs, paths.hidden_states, man)}
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs mounted at tmp_path/small (root only; skipped where mounting is not allowed)."""
-    d = tmp_path / "small"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:200]})")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)])
-
-
-def _fill(folder) -> str:
-    """Write a filler file until the file system is full; returns its path."""
-    path = os.path.join(folder, "filler")
-    with open(path, "wb", buffering=0) as f:  # unbuffered: the last partial write is not left for close()
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-    return path
-
-
 def test_a_full_disk_mid_extraction_fails_naming_it_and_a_rerun_finishes_exactly_once(ray_session, tmp_path,
                                                                                       make_cfg, small_disk):
     train = write_chat_jsonl(tmp_path / "train.jsonl", _convs(24, words=25, seed=7))
@@ -76,7 +49,7 @@ def test_a_full_disk_mid_extraction_fails_naming_it_and_a_rerun_finishes_exactly
 
     def fill_after_two(manifest):
         if len(manifest["blocks"]) >= 2 and not filler:
-            filler.append(_fill(small_disk))
+            filler.append(fill_disk(small_disk))
 
     with pytest.raises(Exception) as e:
         extract(cfg, on_commit=fill_after_two, progress=False)

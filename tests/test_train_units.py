@@ -371,3 +371,23 @@ def test_the_best_checkpoint_is_chosen_from_the_surviving_attempt_not_a_dead_one
     found = WorkerCheckpoint.complete_on_storage(fs, str(root))
     assert found == {20: str(root / "checkpoint_2026-12-01_10-05-00.000000")}
     assert WorkerCheckpoint.latest_on_storage(fs, str(root)) == (20, found[20])
+
+
+def test_a_full_disk_in_a_checkpoint_save_is_named_as_enospc_with_the_file_and_the_step(tiny_verifier, small_disk):
+    """A real full file system (a 4 MiB tmpfs, filled): torch.save's own error would be ``basic_ios::clear:
+    iostream error``; the save names ENOSPC, the file, the step and the free bytes instead."""
+    import errno
+
+    from conftest import fill_disk
+    from eagle3ray.train_worker import TRAINABLE_FILE, WorkerCheckpoint
+
+    step = _tiny_step(tiny_verifier)
+    d = small_disk / "checkpoint_x"
+    d.mkdir()
+    fill_disk(small_disk)
+    with pytest.raises(OSError) as e:
+        WorkerCheckpoint.save(str(d), step, 0, 7, 0, {"s0"})
+    assert e.value.errno == errno.ENOSPC
+    msg = str(e.value)
+    assert f"step-7 checkpoint file {d / TRAINABLE_FILE}" in msg and "bytes free where it needs about" in msg
+    assert "TMPDIR" in msg
