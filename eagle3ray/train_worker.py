@@ -131,45 +131,74 @@ class NonFiniteMarker:
 class EpochBatches:
     """One epoch of a Ray Data shard as packed batches ``(sample_ids, batch)``, skipping ``skip`` ids.
 
+    Samples are shuffled on the worker in a buffer of ``train.shuffle_buffer_rows`` rows (seeded with ``seed``):
+    each incoming row swaps into a random slot and the row it displaces is trained on, O(1) per row, and the
+    order is a function of the seed. Ray Data's own ``local_shuffle_buffer_size`` re-assembles an Arrow buffer
+    of rows of megabytes of hidden states for every batch taken from it: iterating the 100 rows of a default-run
+    extraction took 9.7 s with a 64-row buffer and 4.4 s without (one in-process run, docs/results.md).
+
     A sample longer than ``train.max_tokens_per_batch`` (shifted tokens) fills a batch alone and speculators'
     ``CollateFn`` trains on its first ``max_tokens_per_batch`` tokens: such samples are counted in ``truncated``
     (reported as ``truncated_samples``) and the first one is logged, never truncated silently.
 
     ``drain()`` consumes the rest of the epoch without decoding it (streaming splits expect full epochs) and
-    returns the number of rows it skipped.
+    returns the number of this epoch's rows (not in ``skip``) that were not handed out in a batch: those it
+    skipped, the shuffle buffer's, and those read ahead by the packing.
     """
 
     def __init__(self, shard, step: "DraftStep", seed: int, skip: set, all_positions: bool = False):
-        tc = step.tc
-        self._it = iter(shard.iter_batches(batch_size=8, batch_format="pyarrow",
-                                           local_shuffle_buffer_size=tc["shuffle_buffer_rows"] or None,
-                                           local_shuffle_seed=seed if tc["shuffle_buffer_rows"] else None))
+        self._it = iter(shard.iter_batches(batch_size=8, batch_format="pyarrow"))
         self._step, self._skip, self._all = step, skip, all_positions
+        self._rng, self._buffer = random.Random(seed), []
+        self._pulled = self._packed = 0  # rows taken from the shard (not in ``skip``), rows handed out in batches
         self.truncated = 0
+
+    def _shuffled(self):
+        """Rows not in ``skip``, through the shuffle buffer (none with ``shuffle_buffer_rows`` 0 or 1)."""
+        size, buf = self._step.tc["shuffle_buffer_rows"], self._buffer
+        for tbl in self._it:
+            rows = [r for r in tbl.to_pylist() if r["sample_id"] not in self._skip]
+            self._pulled += len(rows)
+            for row in rows:
+                if size <= 1:
+                    yield row
+                    continue
+                buf.append(row)
+                if len(buf) >= size:
+                    i = self._rng.randrange(len(buf))
+                    buf[i], buf[-1] = buf[-1], buf[i]
+                    yield buf.pop()
+        self._rng.shuffle(buf)
+        while buf:
+            yield buf.pop()
 
     def _rows(self):
         budget = self._step.tc["max_tokens_per_batch"]
-        for tbl in self._it:
-            for row in tbl.to_pylist():
-                if row["sample_id"] not in self._skip:
-                    sample = row_to_sample(row, self._all)
-                    n = int(sample["lengths"][0])
-                    if n > budget:
-                        if not self.truncated:
-                            log.warning("sample %s has %d tokens > train.max_tokens_per_batch %d: trained on its "
-                                        "first %d (counted as truncated_samples)", row["sample_id"], n, budget, budget)
-                        self.truncated += 1
-                    yield row["sample_id"], sample
+        for row in self._shuffled():
+            sample = row_to_sample(row, self._all)
+            n = int(sample["lengths"][0])
+            if n > budget:
+                if not self.truncated:
+                    log.warning("sample %s has %d tokens > train.max_tokens_per_batch %d: trained on its "
+                                "first %d (counted as truncated_samples)", row["sample_id"], n, budget, budget)
+                self.truncated += 1
+            yield row["sample_id"], sample
 
     def __iter__(self):
-        for group in pack_rows(self._rows(), self._step.tc["max_tokens_per_batch"]):
-            yield [sid for sid, _ in group], self._step.collate([s for _, s in group])
+        groups, t0 = pack_rows(self._rows(), self._step.tc["max_tokens_per_batch"]), time.perf_counter()
+        for group in groups:
+            batch = self._step.collate([s for _, s in group])
+            self._step.seconds["data_s"] += time.perf_counter() - t0  # reading, decoding, packing this batch
+            self._packed += len(group)
+            yield [sid for sid, _ in group], batch
+            t0 = time.perf_counter()
 
     def drain(self) -> int:
-        return sum(t.num_rows for t in self._it)
+        self._buffer.clear()
+        rest = sum(len(set(t.column("sample_id").to_pylist()) - self._skip) for t in self._it)
+        return self._pulled - self._packed + rest
 
 
-# ------------------------------------------------------------------------------------------------ step
 def lr_lambda(warmup: int, total: int, floor: float):
     """LR multiplier per step: linear warm-up over ``warmup`` steps, then cosine decay to ``floor`` at ``total``."""
     def f(step: int) -> float:
@@ -227,6 +256,9 @@ class DraftStep:
     device: object = None
     model: object = None  # what training calls: the draft, or its DDP wrapper
     _autocast: object = field(default=None, repr=False)
+    #: seconds since this object was built: in :meth:`step` (``step_s``) and waiting for a batch of the Ray Data
+    #: shard, decoded and packed (``data_s``, :class:`EpochBatches`); reported with each checkpoint
+    seconds: dict = field(default_factory=lambda: {"step_s": 0.0, "data_s": 0.0})
 
     @classmethod
     def build(cls, tc: dict, verifier_path: str, aux_layer_ids: list[int], d2t, t2d, hidden_size: int,
@@ -285,6 +317,13 @@ class DraftStep:
             NonFiniteLoss: the loss or the gradient norm is NaN/Inf (``where`` names the step and samples); the
                 weights and optimizer state are left as they were before the step.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._step(batch, where)
+        finally:
+            self.seconds["step_s"] += time.perf_counter() - t0
+
+    def _step(self, batch: dict, where: str) -> dict:
         import torch
 
         loss, metrics = self.forward(batch, training=True)
@@ -698,7 +737,8 @@ def train_loop_per_worker(config: dict) -> None:
                 tok = comm.all_sum({"t": float(tokens_since)})["t"]
                 report = {"step": pos.step, "epoch": pos.epoch, **train_m, **evaluate(),
                           "tokens_per_s": tok / max(dt, 1e-9), "lr": step.lr, "epoch_tail_samples": tail,
-                          "truncated_samples": comm.all_sum({"n": float(batches.truncated)})["n"]}
+                          "truncated_samples": comm.all_sum({"n": float(batches.truncated)})["n"],
+                          **{f"worker_{k}": round(v, 1) for k, v in step.seconds.items()}}
                 _report(config, step, rank, pos, mine, report)
                 sums, tokens_since, t_last = {}, 0, time.time()
             if pos.step >= tc["max_steps"]:

@@ -311,7 +311,9 @@ def test_samples_longer_than_the_step_budget_are_counted_not_silently_truncated(
         groups = [ids for ids, _ in batches]
     assert ["s1"] in groups and ["s3"] in groups  # each long sample fills a step alone
     assert batches.truncated == 2
-    assert "sample s1 has 199 tokens > train.max_tokens_per_batch 64" in caplog.text
+    # the first of them in the shuffled order is named
+    assert ("sample s1 has 199 tokens > train.max_tokens_per_batch 64" in caplog.text
+            or "sample s3 has 89 tokens > train.max_tokens_per_batch 64" in caplog.text)
 
 
 def test_the_export_check_reads_a_draft_on_an_s3_compatible_endpoint(tmp_path, make_cfg, tiny_verifier, s3_endpoint):
@@ -391,3 +393,24 @@ def test_a_full_disk_in_a_checkpoint_save_is_named_as_enospc_with_the_file_and_t
     msg = str(e.value)
     assert f"step-7 checkpoint file {d / TRAINABLE_FILE}" in msg and "bytes free where it needs about" in msg
     assert "TMPDIR" in msg
+
+
+def test_the_worker_shuffle_buffer_yields_every_row_once_in_a_seeded_order_and_drain_counts_its_rows(tiny_verifier):
+    """The shuffle buffer on the worker: every sample of the epoch exactly once (skipped ids never), the order a
+    function of the seed, and rows held in the buffer counted by drain() (the epoch's tail)."""
+    from eagle3ray.train_worker import EpochBatches
+
+    step = _tiny_step(tiny_verifier, max_tokens=64)
+    step.tc["shuffle_buffer_rows"] = 4
+    rows = _rows([20] * 12)
+
+    def order(seed, skip=frozenset()):
+        return [i for ids, _ in EpochBatches(_Shard(rows), step, seed, set(skip)) for i in ids]
+
+    a, b, c = order(1), order(1), order(2)
+    assert sorted(a) == sorted(f"s{i}" for i in range(12)) and len(a) == 12
+    assert a == b and a != c and a != [f"s{i}" for i in range(12)]
+    assert sorted(order(1, {"s0", "s5"})) == sorted(f"s{i}" for i in range(12) if i not in (0, 5))
+    batches = EpochBatches(_Shard(rows), step, 1, set())
+    first_ids, _ = next(iter(batches))
+    assert len(first_ids) + batches.drain() == 12  # nothing consumed is lost from the tail count
