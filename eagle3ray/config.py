@@ -412,7 +412,8 @@ class TrainSection(_Strict):
         True, description="Feed post-norm draft states across TTT steps (Eagle 3.1; speculators' eagle3 default).")
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints (and held-out evaluations).")
     val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of committed blocks held out (>= 1 block).")
-    shuffle_buffer_rows: int = Field(64, ge=0, description="Shuffle buffer on each train worker, in samples (rows of hidden states held in memory).")
+    shuffle_buffer_rows: int = Field(
+        64, ge=0, description="Shuffle buffer on each train worker, in samples (rows of hidden states held in memory).")
     max_failures: int = Field(1, ge=0, description="Worker-group restarts from the last checkpoint (FailureConfig).")
     verify_blocks: Literal["sha256", "size"] = Field(
         "sha256", description="Before training, check every committed block against its manifest entry: 'sha256' "

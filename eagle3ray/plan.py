@@ -54,7 +54,7 @@ OVERHEADS = {
     "vocab_s": 3.0,
     "train_fixed_s": 45.0,        # Ray Train worker group start, block verification, final checkpoint
     "train_overhead": 1.77,       # a Ray Train step over the probe's plain DraftStep.step: the worker also waits
-                                  # for its Ray Data shard, ~0.6x the step (metrics.jsonl worker_data_s vs
+                                  # for its Ray Data shard, 0.25-0.6x the step (metrics.jsonl worker_data_s vs
                                   # worker_step_s); refitted on the two default runs of 2026-12-02 (docs/plan.md)
     "eval_fraction": 0.05,        # held-out evaluations, as a fraction of training time
     "export_s": 2.0,

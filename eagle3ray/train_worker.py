@@ -199,6 +199,7 @@ class EpochBatches:
         return self._pulled - self._packed + rest
 
 
+# ------------------------------------------------------------------------------------------------ step
 def lr_lambda(warmup: int, total: int, floor: float):
     """LR multiplier per step: linear warm-up over ``warmup`` steps, then cosine decay to ``floor`` at ``total``."""
     def f(step: int) -> float:
@@ -522,7 +523,6 @@ class WorkerCheckpoint:
             with open(os.path.join(d, "step.json"), "w") as f:
                 json.dump({"step": n_steps, "epoch": epoch, "world": ray.train.get_context().get_world_size(),
                            "sizes": sizes}, f)
-
 
     @staticmethod
     def _write(d: str, name: str, need: int, n_steps: int, write) -> None:
