@@ -366,6 +366,10 @@ class VocabSection(_Strict):
 class TrainSection(_Strict):
     """Draft training (stage `train`) on Ray Train. Steps and batches are counted in optimizer steps and tokens."""
 
+    data_source: Literal["offline", "online"] = Field(
+        "offline", description="Where training reads the verifier's hidden states: 'offline' from the blocks the "
+        "extract stage stored; 'online' streamed from the verifier service into Ray Train, nothing stored "
+        "(eagle3ray/online.py; docs/online.md).")
     num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel, DDP).")
     cpus_per_worker: float = Field(0.5, gt=0, description="Fractional CPUs avoid Ray Data starving on small nodes.")
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL; CPU workers use gloo.")

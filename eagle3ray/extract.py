@@ -271,10 +271,15 @@ class BlockWriter:
             rows = self._blocks(samples[:half]) + self._blocks(samples[half:])
             rows[0]["retries"] += retries + 1
             return rows
+        return [self._finish(samples, got, retries, t0)]
+
+    def _finish(self, samples: list[dict], got, retries: int, t0: float) -> dict:
+        """The row of one answered unit (``got``: the states, or the replica's block entry): its block written
+        here unless the replica wrote it."""
         entry = got if self.block_writer == "replica" else blocks.write_unit_block(
             self.fs, self.hs_root, samples, got, self.storage_dtype, self.compression)
-        return [{**{k: entry[k] for k in ROW_COLUMNS[:6]}, "seconds": time.time() - t0, "retries": retries,
-                 "crashed": False}]
+        return {**{k: entry[k] for k in ROW_COLUMNS[:6]}, "seconds": time.time() - t0, "retries": retries,
+                "crashed": False}
 
     def __call__(self, batch: dict) -> dict:
         out: dict[str, list] = {k: [] for k in ROW_COLUMNS}

@@ -4,9 +4,9 @@
 stage      reads                                                   writes (under ``<storage>/<run>/``)
 =========  ======================================================  ==================================
 prepare    prompt sources (``data.train``, ``data.eval``)          conversations/
-extract    conversations/ (+ the verifier service)                 hidden_states/
-vocab      hidden_states/token_freq.safetensors                    vocab/
-train      hidden_states/ blocks, vocab/                           checkpoints/
+extract    conversations/ (+ the verifier service)                 hidden_states/ (offline only)
+vocab      hidden_states/token_freq.safetensors (online: conv.)    vocab/
+train      hidden_states/ blocks (online: the service), vocab/     checkpoints/
 export     checkpoints/best.json, vocab/                           export/
 check      export/ (config.json, safetensors headers)              (a report; nothing written)
 validate   export/ (+ vLLM engines)                                reports/validate.{json,png}
@@ -40,6 +40,10 @@ def _prepare(cfg, progress: bool):
 
 
 def _extract(cfg, progress: bool):
+    if cfg.train.data_source == "online":  # the train stage streams the states (eagle3ray.online)
+        from .online import NotExtracted
+
+        return NotExtracted(cfg.train.data_source)
     from .extract import extract
 
     return extract(cfg, progress=progress)
@@ -48,13 +52,21 @@ def _extract(cfg, progress: bool):
 def _vocab(cfg, progress: bool):
     from .vocab import build_vocab
 
+    if cfg.train.data_source == "online":
+        from .online import conversation_frequencies
+
+        return build_vocab(cfg, token_freq=conversation_frequencies(cfg))
     return build_vocab(cfg)
 
 
-def _train(cfg, progress: bool):
+def _train(cfg, progress: bool, hooks=None):
     from .train import train
 
-    return train(cfg, progress=progress)
+    if cfg.train.data_source == "online":
+        from .online import datasets
+
+        return train(cfg, hooks=hooks, progress=progress, stream=datasets)
+    return train(cfg, hooks=hooks, progress=progress)
 
 
 def _export(cfg, progress: bool):

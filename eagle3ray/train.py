@@ -81,7 +81,11 @@ def _check_manifest(man: dict, spec, where: str) -> None:
 
 
 # Train fields that do not change what a step computes: extending max_steps continues a finished run.
-_RESUMABLE_FIELDS = ("max_steps", "checkpoint_every", "max_failures", "verify_blocks")
+#: Train settings a run may change and still resume its checkpoints. The worker count among them: the data
+#: position is kept per sample, not per rank (:class:`eagle3ray.train_worker.WorkerCheckpoint`), so a run may
+#: resume with more or fewer workers (each step then trains ``num_workers`` x ``max_tokens_per_batch`` tokens).
+_RESUMABLE_FIELDS = ("max_steps", "checkpoint_every", "max_failures", "verify_blocks", "num_workers",
+                     "cpus_per_worker")
 
 
 def train_settings(cfg, paths: storage.RunPaths) -> dict:
@@ -188,18 +192,40 @@ def best_of_history(history: list[dict]) -> dict:
                key=lambda m: m["val_full_acc_0"], default={})
 
 
-def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> TrainSummary:
-    """Run (or resume, or skip when finished) the train stage of ``cfg``.
+def _checked_blocks(cfg, paths: storage.RunPaths, spec) -> list[str]:
+    """The committed blocks' paths of a complete extraction, each checked against its manifest entry
+    (``train.verify_blocks``) and the manifest against the draft this config builds. Errors: see :func:`train`."""
+    man, files = blocks.read_committed(paths.fs, paths.hidden_states)
+    if not man.get("complete"):
+        raise FileNotFoundError(f"{paths.uri}/hidden_states: extraction is not complete; run `eagle3ray extract`")
+    problems = blocks.Manifest(paths.fs, paths.hidden_states, man).verify(sha256=cfg.train.verify_blocks == "sha256")
+    if problems:  # before Ray Train starts: a bad block would otherwise fail (or train) only after its retries
+        raise blocks.CorruptBlocks(f"{paths.uri}/hidden_states", problems)
+    _check_manifest(man, spec, f"{paths.uri}/hidden_states/manifest.json")
+    if len(files) < 2:
+        raise ValueError(f"{paths.uri}/hidden_states has {len(files)} block(s); training needs >= 2 "
+                         "(one is held out). Extract more samples or lower extract.max_tokens_per_batch.")
+    return files
+
+
+def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=None) -> TrainSummary:
+    """Run (or resume, or skip when finished) the train stage of ``cfg``: from the stored blocks
+    (``train.data_source: offline``) or from the verifier service's stream (``online``).
 
     Args:
         hooks: test hooks handed to every worker (:class:`eagle3ray.train_worker.WorkerHooks`).
         progress: show a progress bar (steps, loss, ETA) read from rank 0's ``checkpoints/progress.json``.
+        stream: with ``train.data_source: online``, ``stream(cfg, spec, paths) -> (train, val)`` Ray Datasets of
+            block rows, called only when there is training to do (:func:`eagle3ray.online.datasets`; the
+            pipeline passes it, as stages meet only in storage).
 
     Raises:
-        FileNotFoundError: extract or vocab has not completed.
+        FileNotFoundError: extract (offline; prepare, online) or vocab has not completed.
         blocks.ManifestMismatch: the blocks were made for another verifier/layers/tokenizer.
         blocks.CorruptBlocks: a committed block is missing or differs from its manifest entry.
-        ValueError: too few committed blocks to hold out a validation slice.
+        ValueError: too few committed blocks (online: samples) to hold out a validation slice.
+        ValueError: ``train.data_source: online`` without ``stream``.
+        RuntimeError: (online) the verifier service failed to start, or a unit failed after its retries.
         NonFiniteLoss: a step's loss or gradient norm was NaN/Inf (names the step, its samples and the last good
             checkpoint, which is kept; see :class:`eagle3ray.train_worker.NonFiniteMarker`).
     """
@@ -214,14 +240,9 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> Trai
     t0 = time.time()
     paths = storage.run_paths(cfg)
     storage.write_resolved_config(cfg, paths)
-    man, files = blocks.read_committed(paths.fs, paths.hidden_states)
-    if not man.get("complete"):
-        raise FileNotFoundError(f"{paths.uri}/hidden_states: extraction is not complete; run `eagle3ray extract`")
-    problems = blocks.Manifest(paths.fs, paths.hidden_states, man).verify(sha256=cfg.train.verify_blocks == "sha256")
-    if problems:  # before Ray Train starts: a bad block would otherwise fail (or train) only after its retries
-        raise blocks.CorruptBlocks(f"{paths.uri}/hidden_states", problems)
     spec = VerifierSpec.from_config(cfg)
-    _check_manifest(man, spec, f"{paths.uri}/hidden_states/manifest.json")
+    offline = cfg.train.data_source == "offline"
+    files = _checked_blocks(cfg, paths, spec) if offline else []
     ck = paths.sub("checkpoints")
     tc = cfg.train.model_dump()
     _supersede_if_settings_changed(paths, ck, train_settings(cfg, paths))
@@ -230,16 +251,18 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False) -> Trai
         return TrainSummary(steps=done["steps"], skipped=True, best_step=done.get("best_step"),
                             best_metrics=done.get("best_metrics", {}), checkpoint=done.get("best_checkpoint", ""),
                             ttt_steps=cfg.train.ttt_steps)
-    if len(files) < 2:
-        raise ValueError(f"{paths.uri}/hidden_states has {len(files)} block(s); training needs >= 2 "
-                         "(one is held out). Extract more samples or lower extract.max_tokens_per_batch.")
-    n_val = max(1, round(len(files) * cfg.train.val_fraction))
-    train_files, val_files = files[:-n_val], files[-n_val:]
     d2t, t2d = load_vocab(paths)
     ensure_ray(cfg)
     afs = storage.arrow_filesystem(paths.fs)
-    ds_train = ray.data.read_parquet(train_files, filesystem=afs)
-    ds_val = ray.data.read_parquet(val_files, filesystem=afs)
+    if offline:
+        n_val = max(1, round(len(files) * cfg.train.val_fraction))
+        ds_train = ray.data.read_parquet(files[:-n_val], filesystem=afs)
+        ds_val = ray.data.read_parquet(files[-n_val:], filesystem=afs)
+    elif stream is None:
+        raise ValueError("train.data_source online: train() needs the stream of states (run the stage through "
+                         "eagle3ray.pipeline.run_stage, or pass stream=eagle3ray.online.datasets)")
+    else:
+        ds_train, ds_val = stream(cfg, spec, paths)
     autocast_bf16 = resolve_autocast(cfg.train.autocast, "cuda" if cfg.train.use_gpu else "cpu")
     log.info("train: draft forward %s (train.autocast %s)", "in bf16 autocast" if autocast_bf16 else "in fp32",
              cfg.train.autocast)

@@ -12,7 +12,9 @@ ours because speculators' ``Trainer`` is CUDA-only (FIELD_NOTES).
 - :func:`epoch_batches`: one epoch of a worker's Ray Data shard, decoded (:func:`row_to_sample`) and packed by
   token budget (:func:`eagle3ray.packing.pack_by_tokens`), skipping samples already consumed this epoch.
 - :func:`train_loop_per_worker`: the Ray Train entry. All workers take the same number of steps per epoch (an
-  all-reduce of "has a batch" ends the epoch for everyone; the leftovers are counted as ``epoch_tail_samples``);
+  all-reduce of "has a batch" ends the epoch for everyone; the leftovers are counted as ``epoch_tail_samples``;
+  Ray Train's split gives every worker the same number of rows, leaving out up to ``num_workers - 1`` rows of an
+  epoch, uncounted);
   every ``checkpoint_every`` steps (and at the end): held-out evaluation, a checkpoint and ``ray.train.report``;
   samples consumed in the checkpoint's epoch (by any worker) are skipped on resume, so no batch is skipped or
   repeated.
@@ -552,11 +554,15 @@ class WorkerHooks:
     Args:
         fail_at_step: the last worker exits (``os._exit(1)``, a real process death) at this step on the first
             attempt (not after a resume).
+        fail_once_at: the last worker exits the same way at each of these steps, once each, whichever attempt
+            reaches it first (needs ``trace_dir``, where a ``failed-<step>`` file records it): several worker
+            failures in one epoch.
         trace_dir: each worker appends the sample ids of every step there (``rank<r>-<pid>-<ns>.jsonl``).
         nan_at_step: a NaN in the hidden states of this step's batch, on every attempt (:meth:`poison`).
     """
 
     fail_at_step: int | None = None
+    fail_once_at: tuple[int, ...] = ()
     trace_dir: str | None = None
     nan_at_step: int | None = None
 
@@ -573,7 +579,12 @@ class WorkerHooks:
             self._trace = open(os.path.join(self.trace_dir, f"rank{rank}-{os.getpid()}-{time.time_ns()}.jsonl"), "a")
 
     def before_step(self, step: int, rank: int, world: int, resumed: bool) -> None:
-        if self.fail_at_step is not None and step == self.fail_at_step and not resumed and rank == world - 1:
+        once = step in self.fail_once_at and rank == world - 1 and self.trace_dir \
+            and not os.path.exists(os.path.join(self.trace_dir, f"failed-{step}"))
+        if once:
+            open(os.path.join(self.trace_dir, f"failed-{step}"), "w").close()
+        if once or (self.fail_at_step is not None and step == self.fail_at_step and not resumed
+                    and rank == world - 1):
             log.warning("test hook: worker %d exits at step %d", rank, step)
             logging.shutdown()
             os._exit(1)
@@ -606,13 +617,19 @@ class _Collective:
         return int(t.item())
 
     def all_sum(self, d: dict) -> dict:
-        if self.world == 1 or not d:
+        """Sums of ``d``'s values over the ranks, by key. Every rank must call it; the ranks' keys may differ (a
+        rank whose batches carried no metric of some kind has no key for it), so the keys are gathered first."""
+        if self.world == 1:
             return d
         import torch
         import torch.distributed as dist
 
-        keys = sorted(d)
-        t = torch.tensor([d[k] for k in keys], dtype=torch.float64, device=self.device)
+        every: list = [None] * self.world
+        dist.all_gather_object(every, sorted(d))
+        keys = sorted({k for ks in every for k in ks})
+        if not keys:
+            return {}
+        t = torch.tensor([d.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist()))
 
@@ -653,11 +670,14 @@ def _train_step(config: dict, step: DraftStep, hooks: WorkerHooks, rank: int, po
 
 
 def _report(config: dict, step: DraftStep, rank: int, pos: DataPosition, mine: set, report: dict) -> None:
-    """Checkpoint + ``ray.train.report`` + metrics.jsonl + Ray metrics."""
+    """Checkpoint + ``ray.train.report`` + metrics.jsonl + Ray metrics. ``mine``: the ids this rank consumed in
+    this epoch since it started or resumed; ``pos.consumed``: those consumed before the resume (all ranks)."""
     import ray.train
 
+    # rank 0 also keeps what the checkpoint it resumed from had consumed in this epoch (every rank holds it in
+    # ``pos.consumed``); without it, a second resume in the same epoch trained those samples again
     with tempfile.TemporaryDirectory() as d:
-        WorkerCheckpoint.save(d, step, rank, pos.step, pos.epoch, mine)
+        WorkerCheckpoint.save(d, step, rank, pos.step, pos.epoch, mine | pos.consumed if rank == 0 else mine)
         ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(d))
     if rank == 0:
         from . import metrics as ray_metrics
@@ -666,6 +686,19 @@ def _report(config: dict, step: DraftStep, rank: int, pos: DataPosition, mine: s
         ray_metrics.train_report(config["run_name"], report, step.tc["ttt_steps"])
         log.info("checkpoint at step %d: %s", pos.step, json.dumps(
             {k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()}))
+
+
+def _check_epoch_trained(pos: DataPosition, epoch_start: int, fresh: bool, world: int) -> None:
+    """An epoch that started with nothing consumed and ended without a step would repeat forever (every epoch
+    splits the same rows).
+
+    Raises:
+        RuntimeError: naming the epoch and the worker count.
+    """
+    if pos.step == epoch_start and fresh:
+        raise RuntimeError(f"epoch {pos.epoch}: no batch for some worker of {world} (Ray Train gives each worker "
+                           "an equal share of the rows, none when there are fewer rows than workers); extract more "
+                           "samples or lower train.num_workers")
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -713,6 +746,7 @@ def train_loop_per_worker(config: dict) -> None:
     sums: dict = {}
     t_last, tokens_since, tail = time.time(), 0, 0
     while pos.step < tc["max_steps"]:
+        epoch_start, fresh = pos.step, not pos.consumed
         batches = EpochBatches(ray.train.get_dataset_shard("train"), step, tc["seed"] + pos.epoch, pos.consumed,
                                tc["loss_positions"] == "all")
         for ids, batch in batches:
@@ -736,7 +770,8 @@ def train_loop_per_worker(config: dict) -> None:
                 dt, train_m = time.time() - t_last, summarize(comm.all_sum(sums), tc["ttt_steps"], "train_")
                 tok = comm.all_sum({"t": float(tokens_since)})["t"]
                 report = {"step": pos.step, "epoch": pos.epoch, **train_m, **evaluate(),
-                          "tokens_per_s": tok / max(dt, 1e-9), "lr": step.lr, "epoch_tail_samples": tail,
+                          "tokens_per_s": tok / max(dt, 1e-9), "lr": step.lr,
+                          "epoch_tail_samples": comm.all_sum({"n": float(tail)})["n"],
                           "truncated_samples": comm.all_sum({"n": float(batches.truncated)})["n"],
                           **{f"worker_{k}": round(v, 1) for k, v in step.seconds.items()}}
                 _report(config, step, rank, pos, mine, report)
@@ -747,6 +782,7 @@ def train_loop_per_worker(config: dict) -> None:
             comm.all_min(0)  # this rank ran out: tell the others the epoch is over
         if pos.step >= tc["max_steps"]:
             break
+        _check_epoch_trained(pos, epoch_start, fresh, world)
         pos.epoch += 1
         pos.consumed, mine = set(), set()
     hooks.close()

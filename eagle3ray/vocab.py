@@ -1,4 +1,5 @@
-"""Stage ``vocab``: the draft vocabulary from the loss-masked token frequencies written by extract.
+"""Stage ``vocab``: the draft vocabulary from the loss-masked token frequencies written by extract (with
+``train.data_source: online``, counted from the conversations: :func:`eagle3ray.online.conversation_frequencies`).
 
 The ``draft_vocab_size`` most frequent target tokens, through speculators'
 ``build_vocab_mappings_from_distribution``: ``d2t`` [Vd] int64 offsets (target id = draft id +
@@ -38,11 +39,16 @@ class VocabSummary:
         return f"vocab: {self.draft_vocab_size} tokens cover {self.coverage:.3f} of training answer tokens"
 
 
-def build_vocab(cfg, force: bool = False) -> VocabSummary:
+def build_vocab(cfg, force: bool = False, token_freq=None) -> VocabSummary:
     """Build (or reuse) the draft vocabulary of a run.
+
+    Args:
+        token_freq: with ``train.data_source: online`` (no extraction stored), the loss-masked token counts [V]
+            int64 (:func:`eagle3ray.online.conversation_frequencies`); otherwise read from the extraction.
 
     Raises:
         FileNotFoundError: extract has not completed (no token_freq.safetensors).
+        ValueError: ``train.data_source: online`` without ``token_freq``.
         ValueError: draft_vocab_size larger than the verifier's vocabulary.
     """
     import torch
@@ -50,10 +56,16 @@ def build_vocab(cfg, force: bool = False) -> VocabSummary:
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     paths = storage.run_paths(cfg)
-    man = storage.read_json(paths.fs, f"{paths.hidden_states}/manifest.json")
-    if not man or not man.get("complete"):
-        raise FileNotFoundError(f"{paths.uri}/hidden_states: extraction is not complete; run `eagle3ray extract`")
-    freq = load_token_frequencies(paths)
+    if cfg.train.data_source == "offline":
+        man = storage.read_json(paths.fs, f"{paths.hidden_states}/manifest.json")
+        if not man or not man.get("complete"):
+            raise FileNotFoundError(f"{paths.uri}/hidden_states: extraction is not complete; run `eagle3ray extract`")
+        freq = load_token_frequencies(paths)
+    elif token_freq is None:
+        raise ValueError("train.data_source online: build_vocab() needs token_freq (run the stage through "
+                         "eagle3ray.pipeline.run_stage, which counts it: eagle3ray.online.conversation_frequencies)")
+    else:
+        freq = np.asarray(token_freq, dtype=np.int64)
     V, Vd = len(freq), cfg.vocab.draft_vocab_size
     if Vd > V:
         raise ValueError(f"vocab.draft_vocab_size {Vd} > verifier vocabulary {V}")

@@ -12,7 +12,8 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "eagle3ray"
 
 #: Stage -> the modules that implement it (the train stage has a driver and a worker module).
-STAGES = {"prepare": {"prepare"}, "extract": {"extract"}, "vocab": {"vocab"}, "train": {"train", "train_worker"},
+STAGES = {"prepare": {"prepare"}, "extract": {"extract", "online"}, "vocab": {"vocab"},
+          "train": {"train", "train_worker"},
           "export": {"export"}, "check": {"draft_check"}, "validate": {"validate"}}
 STAGE_OF = {m: s for s, mods in STAGES.items() for m in mods}
 #: Modules that may import stages: they order them (pipeline), present them (cli) or time their own code to
