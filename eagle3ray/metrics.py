@@ -12,6 +12,9 @@ ray_eagle3ray_extract_retries_total            counter    unit calls retried aft
 ray_eagle3ray_extract_blocks_committed_total   counter    blocks committed into the manifest
 ray_eagle3ray_extract_tokens_per_s             gauge      committed tokens / s since the stage started
 ray_eagle3ray_verifier_replicas_alive          gauge      RUNNING replicas of the verifier service
+ray_eagle3ray_online_tokens_streamed_total     counter    tokens whose states the verifier streamed to training
+                                                          (``train.data_source: online``; a unit redone after a
+                                                          failure or a resume counts again)
 ray_eagle3ray_train_loss                       gauge      training loss at the last report
 ray_eagle3ray_train_accuracy                   gauge      held-out accuracy per TTT position (tag position)
 ray_eagle3ray_train_tokens_per_s               gauge      training tokens / s (all workers)
@@ -55,6 +58,12 @@ def extract_commit(run: str, tokens: int, samples: int, retries: int, tokens_per
     _get("gauge", "eagle3ray_extract_tokens_per_s", "Committed tokens per second").set(tokens_per_s, tags)
     if replicas_alive is not None:
         _get("gauge", "eagle3ray_verifier_replicas_alive", "RUNNING verifier replicas").set(replicas_alive, tags)
+
+
+def online_unit(run: str, tokens: int) -> None:
+    """One unit's states streamed into training (called in the Ray Data actor that received them)."""
+    _get("counter", "eagle3ray_online_tokens_streamed", "Tokens whose hidden states were streamed to training").inc(
+        tokens, {"run": run})
 
 
 def train_report(run: str, report: dict, ttt_steps: int) -> None:

@@ -50,8 +50,16 @@ class StateRows(BlockWriter):
     replica are :class:`eagle3ray.extract.BlockWriter`'s; a sample that kills its replica alone is left out of
     the stream (logged)."""
 
+    def __init__(self, run: str, **kwargs):
+        super().__init__(**kwargs)
+        self.run = run
+
     def _finish(self, samples: list[dict], got, retries: int, t0: float) -> dict:
-        return {"table": blocks.build_block(samples, got, self.storage_dtype), "retries": retries, "crashed": False}
+        from . import metrics
+
+        table = blocks.build_block(samples, got, self.storage_dtype)
+        metrics.online_unit(self.run, sum(len(s["input_ids"]) for s in samples))
+        return {"table": table, "retries": retries, "crashed": False}
 
     def __call__(self, batch: dict):
         import pyarrow as pa
@@ -126,7 +134,7 @@ def datasets(cfg, spec, paths: storage.RunPaths):
     log.info("online: verifier service ready in %.1f s; %d training and %d held-out samples streamed",
              time.time() - t0, len(train_s), len(val_s))
     e = cfg.extract
-    kwargs = dict(app=app_name(spec), storage_uri=cfg.run.storage, endpoint_url=cfg.run.endpoint_url,
+    kwargs = dict(run=cfg.run.name, app=app_name(spec), storage_uri=cfg.run.storage, endpoint_url=cfg.run.endpoint_url,
                   hs_root=paths.hidden_states, storage_dtype=e.storage_dtype, compression=e.compression,
                   max_retries=e.max_unit_retries, unit_timeout_s=e.unit_timeout_s, queue_depth=e.writers_per_replica)
 

@@ -119,6 +119,17 @@ def steps_for(cfg, n: int, rates: Rates) -> int:
     return max(1, math.ceil(t.planned_epochs * tokens / (t.max_tokens_per_batch * t.num_workers)))
 
 
+def _step_s(cfg, rates: Rates, tps: float) -> float:
+    """Estimated wall seconds of one optimizer step in the train stage. Online (``train.data_source``), the step's
+    tokens are extracted again for it: on one machine the verifier and the workers share the cores, so the two
+    times add (on a cluster with separate pools they would overlap; not modelled)."""
+    o, t = OVERHEADS, cfg.train
+    step = rates.train_step_s * o["train_overhead"] * (1 + o["eval_fraction"])
+    if t.data_source == "online":
+        step += t.max_tokens_per_batch * t.num_workers / (rates.prefill_tok_s * o["extract_efficiency"])
+    return step
+
+
 def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
     """Estimated wall seconds per stage for n training conversations and ``steps`` optimizer steps.
 
@@ -133,7 +144,10 @@ def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
                                               + answers / rates.decode_tok_s) / o["regen_efficiency"]
                                       if d.regenerate else 0.0)
     extract = o["extract_fixed_s"] + load + n * tps / (rates.prefill_tok_s * o["extract_efficiency"])
-    train = o["train_fixed_s"] + steps * rates.train_step_s * o["train_overhead"] * (1 + o["eval_fraction"])
+    train = o["train_fixed_s"] + steps * _step_s(cfg, rates, tps)
+    if cfg.train.data_source == "online":  # no extract stage; train streams the held-out states once, then its
+        train += load + n * cfg.train.val_fraction * tps / (rates.prefill_tok_s * o["extract_efficiency"])
+        extract = 0.0
     export = o["export_s"]
     from .machine import resolve_dtype
 
@@ -169,8 +183,8 @@ def make_plan(cfg, rates: Rates, budget_s: float) -> dict:
     if fixed_n is not None:
         n = fixed_n
         if fixed_s is None:  # fit the steps around the given data
-            base = total(n) - estimate(cfg, rates, n, 1)["train"] + OVERHEADS["train_fixed_s"]
-            per = rates.train_step_s * OVERHEADS["train_overhead"] * (1 + OVERHEADS["eval_fraction"])
+            per = _step_s(cfg, rates, tokens_per_sample(cfg, rates))
+            base = total(n) - sizes(n)[1] * per  # everything but the steps
             steps = max(1, int((target - base) / per))
         else:
             steps = fixed_s

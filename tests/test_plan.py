@@ -55,9 +55,26 @@ def test_explicit_sizes_are_kept_and_the_other_is_fitted(tmp_path):
     p = P.make_plan(cfg_for(tmp_path, "data.max_samples=200"), RATES, 900)
     assert p["max_samples"] == 200 and p["planned"] == ["train.max_steps"]
     assert p["total_s"] <= 900 * P.PLAN_SAFETY + RATES.train_step_s * 2
+    step_s = (p["estimates"]["train"] - P.OVERHEADS["train_fixed_s"]) / p["max_steps"]
+    assert p["total_s"] >= 900 * P.PLAN_SAFETY - 2 * step_s, p  # the fitted steps fill the budget
     q = P.make_plan(cfg_for(tmp_path, "train.max_steps=100"), RATES, 900)
     assert q["max_steps"] == 100 and q["planned"] == ["data.max_samples"]
     assert q["max_samples"] > P.make_plan(cfg_for(tmp_path), RATES, 900)["max_samples"]  # fewer steps: more data
+
+
+def test_an_online_plan_streams_the_states_in_the_train_stage(tmp_path):
+    """``train.data_source: online``: no extract stage; each step costs its tokens' extraction too (the verifier
+    and the workers share this machine's cores), so the same budget buys fewer samples and steps."""
+    off = P.make_plan(cfg_for(tmp_path), RATES, 900)
+    on = P.make_plan(cfg_for(tmp_path, "train.data_source=online"), RATES, 900)
+    assert on["estimates"]["extract"] == 0 and off["estimates"]["extract"] > 0
+    assert on["total_s"] <= 900 * P.PLAN_SAFETY and on["max_samples"] < off["max_samples"]
+    cfg = cfg_for(tmp_path, "train.data_source=online", "data.max_samples=200", "train.max_steps=100")
+    t = P.estimate(cfg, RATES, 200, 100)["train"] - P.estimate(cfg_for(tmp_path), RATES, 200, 100)["train"]
+    tps = P.tokens_per_sample(cfg, RATES)
+    streamed = (100 * cfg.train.max_tokens_per_batch * cfg.train.num_workers + 200 * cfg.train.val_fraction * tps)
+    expect = RATES.engine_load_s + streamed / (RATES.prefill_tok_s * P.OVERHEADS["extract_efficiency"])
+    assert t == pytest.approx(expect)
 
 
 def test_a_budget_too_small_says_so(tmp_path):
