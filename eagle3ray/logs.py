@@ -31,7 +31,15 @@ _QUIET_LOGGERS = ("ray", "ray.data", "ray.train", "ray.serve", "ray.tune", "spec
 
 #: Loggers whose warnings are about Ray's own bookkeeping (the notice that Ray Data's progress bars are off; Ray
 #: Data's issue detector suggesting memory requests for the block writers every 30 s, 13 lines each).
-_QUIET_TO_ERROR = ("ray.data._internal.progress", "ray.data._internal.issue_detection.issue_detector_manager")
+_QUIET_TO_ERROR = ("ray.data._internal.progress", "ray.data._internal.issue_detection.issue_detector_manager",
+                   # "Token authentication is enabled for this Ray cluster": the local cluster's default, which
+                   # eagle3ray requires anyway (machine.require_guarded_cluster refuses a cluster without it)
+                   "ray._private.authentication.authentication_token_setup")
+
+#: Messages the raylet pushes to the driver that are about Ray's own worker pool, not the user's job: sent to
+#: driver.log instead of the terminal. Every other pushed message (a worker killed, out of memory, ...) still
+#: reaches the terminal.
+RAYLET_NOISE = ("PYTHON worker processes have been started on node",)
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -115,12 +123,36 @@ def quiet_loggers() -> None:
         ctx.print_on_execution_start = False
     except Exception:  # noqa: BLE001 - Ray Data absent or older: nothing to quiet
         pass
+    _filter_raylet_messages()
     try:  # speculators logs through loguru: its INFO/WARNING lines while loading weights
         from loguru import logger as loguru_logger
 
         loguru_logger.disable("speculators")
     except ImportError:
         pass
+
+
+def _filter_raylet_messages() -> None:
+    """Wrap Ray's printer of the messages the raylet pushes to the driver (``ray._private.worker.
+    print_to_stdstream``, called by its ``listen_error_messages`` thread; ``log_to_driver=False`` does not stop
+    them) so that those matching :data:`RAYLET_NOISE` go to the ``eagle3ray.raylet`` logger at INFO (driver.log only)."""
+    try:
+        from ray._private import worker
+    except ImportError:
+        return
+    inner = worker.print_to_stdstream
+    if getattr(inner, "_eagle3ray", False):
+        return
+
+    def print_to_stdstream(data, *args, **kwargs):
+        if data.get("pid") == "raylet" and any(n in line for line in data.get("lines", []) for n in RAYLET_NOISE):
+            for line in data["lines"]:
+                logging.getLogger("eagle3ray.raylet").info("%s", line)
+            return None
+        return inner(data, *args, **kwargs)
+
+    print_to_stdstream._eagle3ray = True
+    worker.print_to_stdstream = print_to_stdstream
 
 
 def collect_ray_logs(cfg) -> str | None:

@@ -146,6 +146,33 @@ def test_quiet_logging_sends_info_to_the_run_and_warnings_to_the_terminal(tmp_pa
     assert "shown with --verbose" in capsys.readouterr().err
 
 
+def test_quiet_logging_keeps_rays_worker_pool_notices_and_token_notice_off_the_terminal(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """The raylet's "N PYTHON worker processes have been started" notices (pushed to every driver; 3 of the
+    default run's 61 terminal lines) and Ray's "token authentication is enabled" notice go to driver.log or
+    nowhere; any other message the raylet pushes (a worker killed, out of memory) still reaches the terminal."""
+    import logging
+
+    from ray._private import worker
+
+    from eagle3ray import logs
+    monkeypatch.delenv(logs.VERBOSE_ENV, raising=False)
+    monkeypatch.setattr(worker, "print_to_stdstream", worker.print_to_stdstream)  # undone after the test
+    path = logs.setup(cfg_for(tmp_path))
+    capsys.readouterr()
+    pool = ("WARNING: 12 PYTHON worker processes have been started on node: abc with address: 127.0.0.1, which is "
+            "6x the maximum expected startup concurrency (2).")
+    worker.print_to_stdstream({"lines": [pool], "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    worker.print_to_stdstream({"lines": ["A worker died or was killed while executing a task"], "pid": "raylet",
+                               "is_err": False}, ignore_prefix=False)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").warning(
+        "Token authentication is enabled for this Ray cluster.")
+    out = capsys.readouterr()
+    assert "PYTHON worker processes" not in out.out + out.err and "Token authentication" not in out.out + out.err
+    assert "A worker died or was killed" in out.out
+    assert "PYTHON worker processes" in open(path).read()
+
+
 def test_another_budget_on_a_planned_run_is_refused_until_replanned(tmp_path, monkeypatch):
     monkeypatch.setattr(P, "probe", lambda cfg: RATES)
     P.planned_config(cfg_for(tmp_path))
