@@ -414,3 +414,15 @@ def test_the_worker_shuffle_buffer_yields_every_row_once_in_a_seeded_order_and_d
     batches = EpochBatches(_Shard(rows), step, 1, set())
     first_ids, _ = next(iter(batches))
     assert len(first_ids) + batches.drain() == 12  # nothing consumed is lost from the tail count
+
+
+def test_an_epoch_that_trained_nothing_from_a_fresh_start_stops_the_run_naming_the_workers():
+    """Every epoch splits the same rows: one that began with nothing consumed and ended without a step would
+    repeat forever (seen with Ray Data's equal=False split of a few blocks over 2 workers). A resumed epoch whose
+    rest was all consumed may end without a step; the next one starts fresh."""
+    from eagle3ray.train_worker import DataPosition, _check_epoch_trained
+
+    with pytest.raises(RuntimeError, match=r"epoch 3: no batch for some worker of 2 .*train.num_workers"):
+        _check_epoch_trained(DataPosition(step=40, epoch=3), 40, True, 2)
+    _check_epoch_trained(DataPosition(step=40, epoch=3), 40, False, 2)  # resumed: its samples were consumed
+    _check_epoch_trained(DataPosition(step=41, epoch=3), 40, True, 2)  # trained a step
