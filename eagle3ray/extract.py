@@ -281,15 +281,27 @@ class BlockWriter:
         return {**{k: entry[k] for k in ROW_COLUMNS[:6]}, "seconds": time.time() - t0, "retries": retries,
                 "crashed": False}
 
+    @staticmethod
+    def units_of(batch: dict):
+        """The units of a Ray Data batch of :func:`unit_items` rows, each as a list of samples."""
+        for sample_ids, input_ids, loss_mask in zip(batch["sample_ids"], batch["input_ids"], batch["loss_mask"]):
+            yield [{"sample_id": str(s), "input_ids": [int(x) for x in i], "loss_mask": [int(x) for x in m]}
+                   for s, i, m in zip(sample_ids, input_ids, loss_mask)]
+
     def __call__(self, batch: dict) -> dict:
         out: dict[str, list] = {k: [] for k in ROW_COLUMNS}
-        for sample_ids, input_ids, loss_mask in zip(batch["sample_ids"], batch["input_ids"], batch["loss_mask"]):
-            samples = [{"sample_id": str(s), "input_ids": [int(x) for x in i], "loss_mask": [int(x) for x in m]}
-                       for s, i, m in zip(sample_ids, input_ids, loss_mask)]
+        for samples in self.units_of(batch):
             for row in self._blocks(samples):
                 for k in ROW_COLUMNS:
                     out[k].append(row[k])
         return out
+
+
+def unit_items(units: list[list[dict]]) -> list[dict]:
+    """One Ray Data row per unit ({sample_ids, input_ids, loss_mask}, lists in sample order), what
+    :class:`BlockWriter` reads back with :meth:`BlockWriter.units_of`."""
+    return [{"sample_ids": [s["sample_id"] for s in u], "input_ids": [s["input_ids"] for s in u],
+             "loss_mask": [s["loss_mask"] for s in u]} for u in units]
 
 
 def replicas_alive(app: str) -> int | None:
@@ -489,8 +501,7 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
         ensure_ray(cfg)
         start_for_config(cfg)
         log.info("extract: verifier service ready, %.2f s into the stage", time.time() - t_start)
-        items = [{"sample_ids": [s["sample_id"] for s in u], "input_ids": [s["input_ids"] for s in u],
-                  "loss_mask": [s["loss_mask"] for s in u]} for u in units]
+        items = unit_items(units)
         writer_kwargs = dict(app=app_name(spec), storage_uri=cfg.run.storage, endpoint_url=cfg.run.endpoint_url,
                              hs_root=hs_root, storage_dtype=cfg.extract.storage_dtype,
                              compression=cfg.extract.compression, max_retries=cfg.extract.max_unit_retries,

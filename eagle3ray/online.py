@@ -38,7 +38,7 @@ import numpy as np
 
 from . import blocks, storage
 from .artifacts import read_conversations
-from .extract import BlockWriter, _todo, plan_units
+from .extract import BlockWriter, _todo, plan_units, unit_items
 from .sources import RejectCounter
 
 log = logging.getLogger(__name__)
@@ -64,11 +64,7 @@ class StateRows(BlockWriter):
     def __call__(self, batch: dict):
         import pyarrow as pa
 
-        tables = []
-        for sample_ids, input_ids, loss_mask in zip(batch["sample_ids"], batch["input_ids"], batch["loss_mask"]):
-            samples = [{"sample_id": str(s), "input_ids": [int(x) for x in i], "loss_mask": [int(x) for x in m]}
-                       for s, i, m in zip(sample_ids, input_ids, loss_mask)]
-            tables += [r["table"] for r in self._blocks(samples) if not r["crashed"]]
+        tables = [r["table"] for samples in self.units_of(batch) for r in self._blocks(samples) if not r["crashed"]]
         return pa.concat_tables(tables) if tables else blocks.BLOCK_SCHEMA.empty_table()
 
 
@@ -139,8 +135,7 @@ def datasets(cfg, spec, paths: storage.RunPaths):
                   max_retries=e.max_unit_retries, unit_timeout_s=e.unit_timeout_s, queue_depth=e.writers_per_replica)
 
     def stream(samples: list[dict]):
-        items = [{"sample_ids": [s["sample_id"] for s in u], "input_ids": [s["input_ids"] for s in u],
-                  "loss_mask": [s["loss_mask"] for s in u]} for u in plan_units(samples, e.max_tokens_per_batch)]
+        items = unit_items(plan_units(samples, e.max_tokens_per_batch))
         return ray.data.from_items(items, override_num_blocks=min(len(items), 200)).map_batches(
             StateRows, fn_constructor_kwargs=kwargs, batch_size=1, num_cpus=e.writer_num_cpus,
             compute=ray.data.ActorPoolStrategy(min_size=e.min_replicas * e.writers_per_replica,
