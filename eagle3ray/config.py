@@ -366,12 +366,17 @@ class VocabSection(_Strict):
 class TrainSection(_Strict):
     """Draft training (stage `train`) on Ray Train. Steps and batches are counted in optimizer steps and tokens."""
 
-    data_source: Literal["offline", "online"] = Field(
+    data_source: Literal["offline", "online", "hybrid"] = Field(
         "offline", description="Where training reads the verifier's hidden states: 'offline' from the blocks the "
-        "extract stage stored; 'online' streamed from the verifier service into Ray Train, nothing stored "
-        "(eagle3ray/online.py; docs/online.md).")
+        "extract stage stored; 'online' streamed from the verifier service into Ray Train, nothing stored; "
+        "'hybrid' streamed as online, and each unit's block also committed under hidden_states/, so that later "
+        "epochs and later runs read it from storage (eagle3ray/online.py; docs/online.md).")
     num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel, DDP).")
     cpus_per_worker: float = Field(0.5, gt=0, description="Fractional CPUs avoid Ray Data starving on small nodes.")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="Extra Ray resources per train worker (a custom node label such as "
+        "{'train_slot': 1}, or {'accelerator_type:H200': 0.001}): keeps the train workers on their own nodes, "
+        "apart from the verifier replicas (verifier.ray_resources), as two pools on one cluster.")
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL; CPU workers use gloo.")
     max_steps: Annotated[int, Field(ge=1)] | Literal["plan"] = Field(
         300, description="Optimizer steps in total (all epochs); `plan`: chosen by run.time_budget as "

@@ -21,6 +21,7 @@ id, never truncated; prepare's rejections are carried into the manifest under ``
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -192,9 +193,7 @@ class BlockWriter:
                  storage_dtype: str, compression: str, max_retries: int = 3,
                  retry_pause_s: float = 2.0, block_writer: str = "data_actor", unit_timeout_s: float = 600.0,
                  queue_depth: int = 1):
-        from ray import serve
-
-        self.handle = serve.get_app_handle(app)
+        self.app = app
         self.storage_uri, self.endpoint_url = storage_uri, endpoint_url
         self.fs, _ = storage.filesystem(storage_uri, endpoint_url)
         self.hs_root = hs_root
@@ -205,6 +204,14 @@ class BlockWriter:
         self.block_writer = block_writer
         self.unit_timeout_s = unit_timeout_s
         self.wait_s = unit_timeout_s * (queue_depth + 1)
+
+    @functools.cached_property
+    def handle(self):
+        """The verifier service's handle, looked up on first use (a hybrid stream that reads every unit back from
+        storage needs no service)."""
+        from ray import serve
+
+        return serve.get_app_handle(self.app)
 
     def _request(self, samples: list[dict]):
         """One remote call for the unit: states back (``data_actor``) or the replica's block entry (``replica``)."""
@@ -478,10 +485,7 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
     conv_man, conv = read_conversations(paths)
     spec = VerifierSpec.from_config(cfg)
     hs_root = paths.hidden_states
-    fresh = blocks.new_manifest({**spec.model_identity, "compute_dtype": spec.dtype}, spec.layer_ids,
-                                cfg.extract.storage_dtype,
-                                {"sha256": conv_man["sha256"], "samples": conv_man["counts"]["samples"]})
-    manifest = blocks.Manifest.open(paths.fs, hs_root, fresh, f"{hs_root}/manifest.json")
+    manifest = blocks.Manifest.open(paths.fs, hs_root, fresh_manifest(cfg, spec, conv_man), f"{hs_root}/manifest.json")
     summary = ExtractSummary(path=paths.uri + "/hidden_states")
     if manifest.complete:
         summary.skipped = True
@@ -516,16 +520,39 @@ def extract(cfg, on_commit=None, progress: bool = True) -> ExtractSummary:
         # blocks of attempts that died after writing (their unit was redone): not in the manifest, removed
         summary.orphans_removed_end = manifest.remove_orphans()
 
-    if "audit" not in manifest.data or not manifest.data["audit"].get("passed", True) or units:
+    seal(cfg, paths, manifest, spec, rejected, summary.retries, audit_again=bool(units))
+    summary.wall_seconds = time.time() - t_start
+    summary.set_totals(manifest)
+    return summary
+
+
+def fresh_manifest(cfg, spec, conv_man: dict) -> dict:
+    """The manifest a new extraction of ``cfg`` starts from (:func:`eagle3ray.blocks.new_manifest`): the verifier's
+    identity and compute dtype, its layer ids, ``extract.storage_dtype`` and the conversations' sha256 and count
+    (``conv_man``: the conversations' manifest). A stored manifest must match it to be resumed or read."""
+    return blocks.new_manifest({**spec.model_identity, "compute_dtype": spec.dtype}, spec.layer_ids,
+                               cfg.extract.storage_dtype,
+                               {"sha256": conv_man["sha256"], "samples": conv_man["counts"]["samples"]})
+
+
+def seal(cfg, paths: storage.RunPaths, manifest: blocks.Manifest, spec, rejected: RejectCounter, retries: int,
+         audit_again: bool) -> None:
+    """Audit the committed states against transformers (when there is no passed audit yet, or ``audit_again``:
+    blocks were committed since), then finish the manifest (token frequencies, ``complete``). Used by the extract
+    stage and by a hybrid run's train stage (:func:`eagle3ray.online.HybridStream`).
+
+    Raises:
+        eagle3ray.audit.AuditFailed: the audited states differ from the verifier's (the manifest stays incomplete,
+            with the audit's record).
+        blocks.CorruptBlocks: a committed block is missing or has another size (:meth:`blocks.Manifest.finish`).
+    """
+    if "audit" not in manifest.data or not manifest.data["audit"].get("passed", True) or audit_again:
         from .audit import audit_run, check
 
-        manifest.data["audit"] = audit_run(paths.fs, hs_root, manifest.data, spec.model_path,
+        manifest.data["audit"] = audit_run(paths.fs, paths.hidden_states, manifest.data, spec.model_path,
                                            cfg.extract.audit_samples, spec.dtype, cfg.verifier.device,
                                            spec.engine)
         if not manifest.data["audit"].get("skipped") and not manifest.data["audit"]["passed"]:
             manifest.save()  # the failed audit recorded; the manifest stays incomplete
             check(manifest.data["audit"], f"{paths.uri}/hidden_states")
-    manifest.finish(spec.model_identity["vocab_size"], rejected.to_json(), summary.retries)
-    summary.wall_seconds = time.time() - t_start
-    summary.set_totals(manifest)
-    return summary
+    manifest.finish(spec.model_identity["vocab_size"], rejected.to_json(), retries)

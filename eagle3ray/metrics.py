@@ -15,6 +15,9 @@ ray_eagle3ray_verifier_replicas_alive          gauge      RUNNING replicas of th
 ray_eagle3ray_online_tokens_streamed_total     counter    tokens whose states the verifier streamed to training
                                                           (``train.data_source: online``; a unit redone after a
                                                           failure or a resume counts again)
+ray_eagle3ray_online_tokens_from_storage_total counter    tokens of the stream read back from committed blocks
+                                                          (``hybrid``: later epochs, resumed samples)
+ray_eagle3ray_online_retries_total             counter    streamed unit calls retried after a replica failure
 ray_eagle3ray_train_loss                       gauge      training loss at the last report
 ray_eagle3ray_train_accuracy                   gauge      held-out accuracy per TTT position (tag position)
 ray_eagle3ray_train_tokens_per_s               gauge      training tokens / s (all workers)
@@ -60,9 +63,19 @@ def extract_commit(run: str, tokens: int, samples: int, retries: int, tokens_per
         _get("gauge", "eagle3ray_verifier_replicas_alive", "RUNNING verifier replicas").set(replicas_alive, tags)
 
 
-def online_unit(run: str, tokens: int) -> None:
-    """One unit's states streamed into training (called in the Ray Data actor that received them)."""
+def online_unit(run: str, tokens: int, retries: int = 0) -> None:
+    """One unit's states streamed into training (called in the Ray Data actor that received them), after
+    ``retries`` retried calls (a replica or node lost mid-unit)."""
     _get("counter", "eagle3ray_online_tokens_streamed", "Tokens whose hidden states were streamed to training").inc(
+        tokens, {"run": run})
+    if retries:
+        _get("counter", "eagle3ray_online_retries", "Streamed unit calls retried after a replica failure").inc(
+            retries, {"run": run})
+
+
+def online_from_storage(run: str, tokens: int) -> None:
+    """Tokens of a hybrid run's stream read back from committed blocks instead of the verifier."""
+    _get("counter", "eagle3ray_online_tokens_from_storage", "Tokens of the stream read from committed blocks").inc(
         tokens, {"run": run})
 
 

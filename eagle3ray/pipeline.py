@@ -4,9 +4,9 @@
 stage      reads                                                   writes (under ``<storage>/<run>/``)
 =========  ======================================================  ==================================
 prepare    prompt sources (``data.train``, ``data.eval``)          conversations/
-extract    conversations/ (+ the verifier service)                 hidden_states/ (offline only)
+extract    conversations/ (+ the verifier service)                 hidden_states/ (offline; hybrid: train)
 vocab      hidden_states/token_freq.safetensors (online: conv.)    vocab/
-train      hidden_states/ blocks (online: the service), vocab/     checkpoints/
+train      hidden_states/ blocks (online: the service), vocab/     checkpoints/ (hybrid: hidden_states/)
 export     checkpoints/best.json, vocab/                           export/
 check      export/ (config.json, safetensors headers)              (a report; nothing written)
 validate   export/ (+ vLLM engines)                                reports/validate.{json,png}
@@ -39,8 +39,19 @@ def _prepare(cfg, progress: bool):
     return prepare(cfg)
 
 
+def _hybrid_complete(cfg) -> bool:
+    """``train.data_source: hybrid`` and the run's hidden states are a complete extraction (an earlier hybrid run
+    committed every sample, or an offline extraction ran): the run then reads them as an offline one."""
+    from . import storage
+
+    if cfg.train.data_source != "hybrid":
+        return False
+    paths = storage.run_paths(cfg)
+    return bool((storage.read_json(paths.fs, f"{paths.hidden_states}/manifest.json") or {}).get("complete"))
+
+
 def _extract(cfg, progress: bool):
-    if cfg.train.data_source == "online":  # the train stage streams the states (eagle3ray.online)
+    if cfg.train.data_source != "offline" and not _hybrid_complete(cfg):  # the train stage streams the states
         from .online import NotExtracted
 
         return NotExtracted(cfg.train.data_source)
@@ -52,7 +63,7 @@ def _extract(cfg, progress: bool):
 def _vocab(cfg, progress: bool):
     from .vocab import build_vocab
 
-    if cfg.train.data_source == "online":
+    if cfg.train.data_source != "offline":  # counted from the conversations (a complete hybrid: the same counts)
         from .online import conversation_frequencies
 
         return build_vocab(cfg, token_freq=conversation_frequencies(cfg))
@@ -66,6 +77,13 @@ def _train(cfg, progress: bool, hooks=None):
         from .online import datasets
 
         return train(cfg, hooks=hooks, progress=progress, stream=datasets)
+    if cfg.train.data_source == "hybrid":
+        from .online import HybridStream
+
+        with HybridStream(cfg) as h:  # blocks committed as they stream; sealed when every sample is committed
+            summary = train(cfg, hooks=hooks, progress=progress, stream=h.datasets)
+        summary.hybrid = h.summary
+        return summary
     return train(cfg, hooks=hooks, progress=progress)
 
 

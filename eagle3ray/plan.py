@@ -148,6 +148,9 @@ def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
     if cfg.train.data_source == "online":  # no extract stage; train streams the held-out states once, then its
         train += load + n * cfg.train.val_fraction * tps / (rates.prefill_tok_s * o["extract_efficiency"])
         extract = 0.0
+    elif cfg.train.data_source == "hybrid":  # train streams (and commits) every sample once; later epochs read them
+        train += extract  # back from storage at the offline step's cost (on one machine, as extraction would)
+        extract = 0.0
     export = o["export_s"]
     from .machine import resolve_dtype
 

@@ -42,6 +42,7 @@ class TrainSummary:
     skipped: bool = False
     checkpoint: str = ""
     ttt_steps: int = 0
+    hybrid: dict | None = None  # train.data_source hybrid: what the stream committed (eagle3ray.online.finish_hybrid)
 
     @property
     def title(self) -> str:
@@ -56,8 +57,15 @@ class TrainSummary:
                 ("best step", self.best_step), ("seconds", f"{self.seconds:.1f}")]
         rows += self._acc("untrained held-out", self.untrained_metrics) if self.untrained_metrics else []
         rows += self._acc("best held-out", self.best_metrics)
-        return rows + [("tokens/s (last interval)", self.final_metrics.get("tokens_per_s", float("nan"))),
-                       ("best checkpoint", self.checkpoint)]
+        rows += [("tokens/s (last interval)", self.final_metrics.get("tokens_per_s", float("nan"))),
+                 ("best checkpoint", self.checkpoint)]
+        if self.hybrid:
+            h = self.hybrid
+            rows += [("hybrid: samples committed (this run / in all / of)",
+                      f"{h.get('samples_committed', 0)} / {h['committed']} / {h['expected']}"),
+                     ("hybrid: samples read back from committed blocks", h.get("samples_from_storage", 0)),
+                     ("hybrid: hidden_states/ complete", h["complete"])]
+        return rows
 
     def headline(self) -> str:
         nan = float("nan")
@@ -85,7 +93,7 @@ def _check_manifest(man: dict, spec, where: str) -> None:
 #: position is kept per sample, not per rank (:class:`eagle3ray.train_worker.WorkerCheckpoint`), so a run may
 #: resume with more or fewer workers (each step then trains ``num_workers`` x ``max_tokens_per_batch`` tokens).
 _RESUMABLE_FIELDS = ("max_steps", "checkpoint_every", "max_failures", "verify_blocks", "num_workers",
-                     "cpus_per_worker")
+                     "cpus_per_worker", "ray_resources")
 
 
 def train_settings(cfg, paths: storage.RunPaths) -> dict:
@@ -217,7 +225,7 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
         progress: show a progress bar (steps, loss, ETA) read from rank 0's ``checkpoints/progress.json``.
         stream: with ``train.data_source: online``, ``stream(cfg, spec, paths) -> (train, val)`` Ray Datasets of
             block rows, called only when there is training to do (:func:`eagle3ray.online.datasets`; the
-            pipeline passes it, as stages meet only in storage).
+            pipeline passes it, as stages meet only in storage). ``hybrid`` without it reads the stored blocks.
 
     Raises:
         FileNotFoundError: extract (offline; prepare, online) or vocab has not completed.
@@ -241,7 +249,7 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
     paths = storage.run_paths(cfg)
     storage.write_resolved_config(cfg, paths)
     spec = VerifierSpec.from_config(cfg)
-    offline = cfg.train.data_source == "offline"
+    offline = cfg.train.data_source == "offline" or (cfg.train.data_source == "hybrid" and stream is None)
     files = _checked_blocks(cfg, paths, spec) if offline else []
     ck = paths.sub("checkpoints")
     tc = cfg.train.model_dump()
@@ -273,7 +281,7 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
         "hooks": hooks, "code_fingerprint": code_fingerprint(),
         "arrow_fs": afs, "fit_token": uuid.uuid4().hex,
     }
-    resources = {"CPU": cfg.train.cpus_per_worker}
+    resources = {"CPU": cfg.train.cpus_per_worker, **cfg.train.ray_resources}
     if cfg.train.use_gpu:
         resources["GPU"] = 1
     trainer = TorchTrainer(

@@ -508,3 +508,57 @@ def test_online_training_streams_the_services_states_into_ray_train_and_stores_n
     history = read_metrics(dst)
     tail = next(m["epoch_tail_samples"] for m in history if m.get("event") is None and m["epoch"] >= 1)
     assert 0 <= len(train_s) - len(epoch0) - tail <= 1, (len(epoch0), tail, len(train_s))  # 1: the equal split
+
+
+def test_hybrid_training_commits_each_streamed_sample_once_and_a_later_offline_run_reuses_the_blocks(trained, tmp_path):
+    """Issue 18, ``train.data_source: hybrid``: the train stage streams the verifier service's states as online does
+    (a worker killed at step 6, resumed from step 4) and commits each unit's block; later epochs and the resumed
+    samples are read back from those blocks; once every sample is committed the manifest is audited and sealed, a
+    complete extraction: every sample that fits the verifier exactly once, the same token frequencies the vocab
+    stage counted from the conversations. An offline run on the same run then extracts nothing and trains from the
+    committed blocks."""
+    import pyarrow.parquet as pq
+
+    from eagle3ray import blocks, online
+    from eagle3ray.config import load_config
+    from eagle3ray.pipeline import _train, run_stage
+
+    cfg0, _, _, cfg_path = trained
+    common = ["run.name=hybrid", "train.checkpoint_every=4", "train.max_tokens_per_batch=384"]
+    cfg = load_config(cfg_path, [*common, "train.data_source=hybrid", "train.max_steps=16"])
+    src, dst = storage.run_paths(cfg0), storage.run_paths(cfg)
+    shutil.copytree(src.sub("conversations"), dst.sub("conversations"))
+    assert "commits them under hidden_states/" in run_stage(cfg, "extract", progress=False).headline()
+    assert not dst.fs.exists(dst.hidden_states)
+    run_stage(cfg, "vocab", progress=False)
+    trace = tmp_path / "trace"
+    s = _train(cfg, False, hooks=WorkerHooks(fail_at_step=6, trace_dir=str(trace)))
+    assert s.steps == 16 and s.resumed_from == 4
+    assert s.best_metrics["val_full_acc_0"] > s.untrained_metrics["val_full_acc_0"] + 0.1
+    kept = _lineage(trace)
+    for epoch in {e["epoch"] for e in kept}:
+        ids = [i for e in kept if e["epoch"] == epoch for i in e["ids"]]
+        assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample was trained twice"
+    assert any(e["epoch"] >= 1 for e in kept), "the test needs epoch 0 to end"
+    # the stream committed every sample exactly once, and sealed the manifest
+    train_s, val_s, _ = online.split_samples(cfg, dst)
+    expected = sorted(x["sample_id"] for x in train_s + val_s)
+    man, files = blocks.read_committed(dst.fs, dst.hidden_states)
+    ids = [i for f in files for i in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()]
+    assert sorted(ids) == expected and len(ids) == len(set(ids))
+    assert man["complete"] and man["audit"]["passed"], man.get("audit")
+    assert sorted("blocks/" + f.rsplit("/", 1)[-1] for f in dst.fs.ls(f"{dst.hidden_states}/blocks", detail=False)) \
+        == sorted(b["path"] for b in man["blocks"])  # no orphan left
+    assert s.hybrid["complete"] and s.hybrid["committed"] == s.hybrid["expected"] == len(expected)
+    assert s.hybrid["samples_committed"] == len(expected)  # this run committed them all, each once
+    assert s.hybrid["samples_from_storage"] >= len(train_s)  # epoch 1 (at least) read back, not re-extracted
+    vocab = storage.read_json(dst.fs, f"{dst.sub('vocab')}/vocab.json")
+    # an offline run on the same run: nothing extracted, the vocabulary kept, training reads the committed blocks
+    off = load_config(cfg_path, [*common, "train.data_source=offline", "train.max_steps=8"])
+    ex = run_stage(off, "extract", progress=False)
+    assert ex.skipped and ex.samples == 0 and ex.total_samples == len(expected)
+    assert run_stage(off, "vocab", progress=False).skipped
+    assert storage.read_json(dst.fs, f"{dst.sub('vocab')}/vocab.json") == vocab
+    t = run_stage(off, "train", progress=False)
+    assert t.steps == 8 and not t.skipped
+    assert blocks.read_committed(dst.fs, dst.hidden_states)[0]["blocks"] == man["blocks"]
