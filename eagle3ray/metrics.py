@@ -21,6 +21,10 @@ ray_eagle3ray_online_retries_total             counter    streamed unit calls re
 ray_eagle3ray_train_loss                       gauge      training loss at the last report
 ray_eagle3ray_train_accuracy                   gauge      held-out accuracy per TTT position (tag position)
 ray_eagle3ray_train_tokens_per_s               gauge      training tokens / s (all workers)
+ray_eagle3ray_train_tokens_total               counter    tokens trained (all workers); the stream's counters less
+                                                          this one: the tokens between the verifier and training
+ray_eagle3ray_train_data_wait_fraction         gauge      share of the last report interval rank 0 waited for its
+                                                          data (near 1: the verifier pool is the bottleneck)
 =============================================  =========  ==============================================
 
 Metric objects are created once per process, on first use; calls are cheap (Ray batches exports).
@@ -91,3 +95,17 @@ def train_report(run: str, report: dict, ttt_steps: int) -> None:
             acc.set(v, {"run": run, "position": str(k)})
     if "tokens_per_s" in report:
         _get("gauge", "eagle3ray_train_tokens_per_s", "Training tokens per second").set(report["tokens_per_s"], tags)
+    if "tokens" in report:
+        _get("counter", "eagle3ray_train_tokens", "Tokens trained (all workers)").inc(report["tokens"], tags)
+    if "worker_data_s" in report and "worker_step_s" in report:  # rank 0's cumulative seconds since its start
+        data, step = report["worker_data_s"], report["worker_step_s"]
+        d0, s0 = _LAST_SECONDS.get(run, (0.0, 0.0))
+        if data < d0 or step < s0:  # a new worker process (a resume): its seconds start again
+            d0, s0 = 0.0, 0.0
+        _LAST_SECONDS[run] = (data, step)
+        if (data - d0) + (step - s0) > 0:
+            _get("gauge", "eagle3ray_train_data_wait_fraction", "Share of the last report interval a train worker "
+                 "waited for its data").set((data - d0) / ((data - d0) + (step - s0)), tags)
+
+
+_LAST_SECONDS: dict[str, tuple[float, float]] = {}

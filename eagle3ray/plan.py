@@ -130,6 +130,25 @@ def _step_s(cfg, rates: Rates, tps: float) -> float:
     return step
 
 
+def stream_balance(cfg, rates: Rates) -> dict:
+    """The two pools of an online or hybrid run (``train.data_source``), from ``rates``: tokens/s of states the
+    verifier pool can produce (``extract.max_replicas`` x ``prefill_tok_s`` x the extraction efficiency) and the
+    train pool can consume (``train.num_workers`` x ``train.max_tokens_per_batch`` per step of ``train_step_s`` plus
+    its held-out evaluations), which side is the bottleneck, and the replicas that would keep the workers fed.
+
+    Returns ``{"produce_tok_s", "consume_tok_s", "bottleneck" ("verifier" | "train"), "ratio" (produce / consume),
+    "replicas_to_keep_up"}``. On separate resources the slower side sets the pace; on one machine (a local Ray) the
+    two pools share the cores and their times add instead (:func:`estimate`).
+    """
+    o, t = OVERHEADS, cfg.train
+    per_replica = rates.prefill_tok_s * o["extract_efficiency"]
+    produce = cfg.extract.max_replicas * per_replica
+    consume = t.num_workers * t.max_tokens_per_batch / (rates.train_step_s * (1 + o["eval_fraction"]))
+    return {"produce_tok_s": produce, "consume_tok_s": consume, "ratio": produce / consume,
+            "bottleneck": "verifier" if produce < consume else "train",
+            "replicas_to_keep_up": max(1, math.ceil(consume / per_replica))}
+
+
 def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
     """Estimated wall seconds per stage for n training conversations and ``steps`` optimizer steps.
 

@@ -75,6 +75,7 @@ class PreflightReport:
     memory: dict = field(default_factory=dict)
     storage: dict = field(default_factory=dict)
     resources: dict = field(default_factory=dict)
+    stream: dict = field(default_factory=dict)  # online/hybrid: the two pools' rates (plan.stream_balance)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -338,10 +339,37 @@ def _storage_estimate(cfg, vtext: dict, n_layers: int, rep: PreflightReport, onl
                    "bytes_per_token_from": raw, "gib": gib, "limit_gib": cfg.extract.max_storage_gib,
                    "compression": cfg.extract.compression, "est_ratio": ratio, "est_ratio_from": STORED_RATIO_SOURCE,
                    "est_bytes_per_token": per_token * ratio, "est_gib": gib * ratio}
-    if cfg.extract.max_storage_gib is not None and gib > cfg.extract.max_storage_gib:
+    if cfg.extract.max_storage_gib is not None and gib > cfg.extract.max_storage_gib \
+            and cfg.train.data_source != "online":
         fit = int(cfg.extract.max_storage_gib * GIB / per_token)
         rep.problems.append(f"extract.max_storage_gib {cfg.extract.max_storage_gib}: hidden states need {gib:,.1f} GiB "
                             f"({tokens:,} tokens x {raw}, before compression); the limit holds {fit:,} tokens")
+
+
+def _stream_balance(cfg, rep: PreflightReport, read_run: bool) -> None:
+    """Online or hybrid: which pool, verifier or training, will set the pace (:func:`eagle3ray.plan.stream_balance`),
+    from ``run.plan_rates`` or the run's ``plan.json`` (the probe's rates; read only when ``read_run``: local
+    storage, or ``--cluster``); a note when neither is there."""
+    from .plan import Rates, read_plan, stated_rates, stream_balance
+
+    try:
+        rates, source = stated_rates(cfg), "run.plan_rates"
+        if rates is None and read_run:
+            plan = read_plan(cfg)
+            rates, source = (Rates.from_dict(plan["rates"]), "the run's plan.json") if plan else (None, "")
+    except Exception as e:  # noqa: BLE001 - a preflight reports, it does not stop on a bad rate
+        rep.notes.append(f"stream balance not estimated: {e}")
+        return
+    if rates is None:
+        rep.notes.append(f"train.data_source {cfg.train.data_source}: set run.plan_rates (or run `eagle3ray plan`) "
+                         "to see which pool, verifier or training, will be the bottleneck")
+        return
+    b = stream_balance(cfg, rates)
+    rep.stream = {**b, "rates_from": source}
+    if b["bottleneck"] == "verifier":
+        rep.notes.append(f"the verifier pool will be the bottleneck: the train workers would wait "
+                         f"{1 - b['ratio']:.0%} of the time; extract.max_replicas {b['replicas_to_keep_up']} would "
+                         "keep them fed")
 
 
 def required_resources(cfg) -> dict:
@@ -499,7 +527,12 @@ def preflight(cfg, config_name: str = "", nodes: list[dict] | None = None) -> Pr
         rep.notes.append("data.regenerate_engine dedicated on GPUs: prepare loads a second copy of the verifier "
                          f"on {v.num_gpus} GPU(s) and needs them free of a running verifier service ('service' "
                          "decodes on the service's engine instead)")
+    if cfg.train.data_source == "online":
+        rep.notes.append("train.data_source online: no hidden states are stored (the storage line is what an "
+                         "offline or hybrid run would store; extract.max_storage_gib is not held against it)")
     _storage_estimate(cfg, t, len(layer_ids), rep, online=nodes is not None)
+    if cfg.train.data_source != "offline":
+        _stream_balance(cfg, rep, read_run=nodes is not None or cfg.run.storage.startswith("file://"))
     req = required_resources(cfg)
     rep.resources = {"required": req}
     if nodes is not None:
@@ -553,6 +586,11 @@ def render(rep: PreflightReport) -> str:
                      + (f" ({len(r['replica_bundles'])} GPU bundles, {r['placement_strategy']})"
                         if r['replica_bundles'] else "")
                      + f"; training {r['train_workers']} x {r['train_worker']}")
+    st = rep.stream
+    if st:
+        lines.append(f"  stream     verifier pool ~{st['produce_tok_s']:,.0f} tok/s (extract.max_replicas x prefill), "
+                     f"train pool ~{st['consume_tok_s']:,.0f} tok/s: the {st['bottleneck']} pool sets the pace "
+                     f"(rates from {st['rates_from']}; on one machine the pools share the cores and their times add)")
     if "cluster" in rep.resources:
         c = rep.resources["cluster"]
         lines.append(f"  cluster    {c['nodes']} node(s), {c['GPU']:g} GPUs, {c['CPU']:g} CPUs")

@@ -770,7 +770,7 @@ def train_loop_per_worker(config: dict) -> None:
                 dt, train_m = time.time() - t_last, summarize(comm.all_sum(sums), tc["ttt_steps"], "train_")
                 tok = comm.all_sum({"t": float(tokens_since)})["t"]
                 report = {"step": pos.step, "epoch": pos.epoch, **train_m, **evaluate(),
-                          "tokens_per_s": tok / max(dt, 1e-9), "lr": step.lr,
+                          "tokens": tok, "tokens_per_s": tok / max(dt, 1e-9), "lr": step.lr,
                           "epoch_tail_samples": comm.all_sum({"n": float(tail)})["n"],
                           "truncated_samples": comm.all_sum({"n": float(batches.truncated)})["n"],
                           **{f"worker_{k}": round(v, 1) for k, v in step.seconds.items()}}

@@ -229,3 +229,33 @@ def test_a_local_cluster_too_small_for_training_and_ray_data_is_a_problem():
     rep = preflight(load_config(None, ["train.num_workers=2"]))
     probs = [p for p in rep.problems if "train.num_workers 2" in p]
     assert len(probs) == 1 and "ray.num_cpus=6" in probs[0], rep.problems
+
+
+RATES = ("run.plan_rates={engine_load_s: 120, prefill_tok_s: 40000, decode_tok_s: 8000, decode_batch: 256, "
+         "val_decode_tok_s: 3000, val_batch: 64, prompt_tokens_mean: 300, kept_fraction: 0.9, train_step_s: %s}")
+
+
+@pytest.mark.parametrize("step_s, side", [("0.5", "train"), ("0.1", "verifier")])
+def test_online_preflight_says_which_pool_sets_the_pace(step_s, side):
+    """Issue 18: an online run's preflight sizes both pools from the stated rates. Llama-3.1-8B config: 4 replicas
+    x 40,000 tok/s x 0.82 = 131,200 tok/s; 8 workers x 8,192 tokens per 0.5 s step (+5% evaluations) = 124,830 tok/s
+    (the train pool is slower), per 0.1 s step 624,152 tok/s (the verifier pool is, and 20 replicas would keep up)."""
+    rep = preflight(_cfg("llama-3.1-8b-instruct", "train.data_source=online", RATES % step_s))
+    st = rep.stream
+    assert st["bottleneck"] == side and st["rates_from"] == "run.plan_rates"
+    assert st["produce_tok_s"] == pytest.approx(4 * 40000 * 0.82)
+    assert st["consume_tok_s"] == pytest.approx(8 * 8192 / (float(step_s) * 1.05))
+    notes = " ".join(rep.notes)
+    if side == "verifier":
+        assert st["replicas_to_keep_up"] == 20 and "extract.max_replicas 20 would keep them fed" in notes
+    else:
+        assert "will be the bottleneck" not in notes
+
+
+def test_online_preflight_holds_no_storage_limit_and_asks_for_rates_without_them():
+    """Online stores no states: extract.max_storage_gib is not a problem there (it is offline and hybrid); without
+    rates the report says how to get the pools' balance."""
+    for mode, problem in (("online", False), ("hybrid", True), ("offline", True)):
+        rep = preflight(_cfg("qwen3-8b", "extract.max_storage_gib=100", f"train.data_source={mode}"))
+        assert any(p.startswith("extract.max_storage_gib") for p in rep.problems) == problem, mode
+        assert (not rep.stream and "set run.plan_rates" in " ".join(rep.notes)) == (mode != "offline"), mode
