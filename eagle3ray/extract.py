@@ -138,14 +138,13 @@ class StorageLimitExceeded(RuntimeError):
     """The committed blocks passed ``extract.max_storage_gib``; what was committed stays committed."""
 
 
-def _check_storage_limit(cfg, committed_bytes: int, committed_samples: int, total: int) -> None:
+def check_storage_limit(limit: float | None, committed_bytes: int, committed_samples: int, total: int) -> None:
     """Stop the stage once the committed blocks exceed ``extract.max_storage_gib`` (preflight estimates the size
     beforehand; this holds the limit when the estimate was low, e.g. longer answers than expected).
 
     Raises:
         StorageLimitExceeded: naming the committed size, the limit and how to go on.
     """
-    limit = cfg.extract.max_storage_gib
     if limit is None or committed_bytes <= limit * 2**30 or committed_samples >= total:
         return  # (the last block over the limit: the extraction is whole, nothing more will be written)
     per_sample = committed_bytes / max(committed_samples, 1)
@@ -448,7 +447,8 @@ def _commit_blocks(cfg, manifest: blocks.Manifest, rows, *, app: str, rejected: 
         summary.tokens += row["tokens"]
         summary.bytes_written += row["bytes"]
         summary.blocks += 1
-        _check_storage_limit(cfg, manifest.data["counts"]["bytes"], manifest.data["counts"]["samples"], planned)
+        check_storage_limit(cfg.extract.max_storage_gib, manifest.data["counts"]["bytes"],
+                            manifest.data["counts"]["samples"], planned)
         bar.update(row["rows"])
         tok_s = summary.tokens / max(time.time() - t0, 1e-9)
         bar.set_postfix(tok_s=f"{tok_s:.0f}", retries=summary.retries)

@@ -237,7 +237,10 @@ def ensure_ray(cfg) -> bool:
                 f"RAY_AUTH_MODE={mode} in this environment would start the local Ray cluster without token "
                 "authentication; unset it (a cluster ray.init() starts has token authentication on) or set "
                 "ray.allow_unauthenticated=true")
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
+        # address="local": always a cluster of its own. Without it ray.init() attaches to any cluster already running
+        # on this machine (`ray start`, another run's), then fails on num_cpus ("When connecting to an existing
+        # cluster, num_cpus and num_gpus must not be provided"): seen when a run started beside a test cluster
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
                  namespace=cfg.ray.namespace, _node_ip_address="127.0.0.1", log_to_driver=verbose(),
                  runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
         where = "127.0.0.1 (started by this command)"

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import blocks, storage
 from .artifacts import read_conversations
-from .extract import BlockWriter, _todo, plan_units, unit_items
+from .extract import BlockWriter, _todo, check_storage_limit, plan_units, unit_items
 from .sources import RejectCounter
 
 log = logging.getLogger(__name__)
@@ -127,13 +127,14 @@ class Committer:
     """
 
     def __init__(self, storage_uri: str, endpoint_url: str | None, hs_root: str, fresh: dict, prepare_rejected: dict,
-                 rejected: dict):
+                 rejected: dict, max_storage_gib: float | None = None, total: int = 0):
         fs, _ = storage.filesystem(storage_uri, endpoint_url)
         self.manifest = blocks.Manifest.open(fs, hs_root, fresh, f"{hs_root}/manifest.json")
         self.block_of: dict[str, str] = {}
         for b in self.manifest.data["blocks"]:
             ids = b.get("sample_ids") or blocks.committed_sample_ids(fs, hs_root, {"blocks": [b]})
             self.block_of.update(dict.fromkeys(ids, b["path"]))
+        self.limit_gib, self.total = max_storage_gib, total  # extract.max_storage_gib, the samples to commit
         self.rejected = RejectCounter.from_json(rejected)  # too_long (split_samples); engine_crash added here
         self.crashed_ids: set[str] = set()
         self.stats = {"samples_committed": 0, "samples_from_storage": 0, "duplicates": 0, "retries": 0,
@@ -158,7 +159,12 @@ class Committer:
 
     def commit(self, entry: dict, sample_ids: list[str], retries: int) -> list[str]:
         """Commit one written block (:meth:`eagle3ray.blocks.Manifest.commit`); returns the ids that were already
-        committed (then the block was deleted and nothing committed)."""
+        committed (then the block was deleted and nothing committed).
+
+        Raises:
+            eagle3ray.extract.StorageLimitExceeded: the committed blocks passed ``extract.max_storage_gib`` (this
+                block stays committed; the stream, and so the train stage, stops).
+        """
         self.stats["retries"] += retries
         dup = self.manifest.commit(entry, sample_ids, self.rejected.to_json())
         if dup:
@@ -168,6 +174,8 @@ class Committer:
             return dup
         self.block_of.update(dict.fromkeys(sample_ids, entry["path"]))
         self.stats["samples_committed"] += len(sample_ids)
+        c = self.manifest.counts
+        check_storage_limit(self.limit_gib, c["bytes"], c["samples"], self.total)  # as the extract stage holds it
         return []
 
     def crashed(self, sample_id: str) -> None:
@@ -303,11 +311,18 @@ class HybridStream:
 
         from .extract import fresh_manifest
 
-        _, _, rejected = split_samples(cfg, paths)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        train_s, val_s, rejected = split_samples(cfg, paths)
         conv_man, _ = read_conversations(paths)
-        self.actor = ray.remote(Committer).options(num_cpus=0).remote(
-            cfg.run.storage, cfg.run.endpoint_url, paths.hidden_states, fresh_manifest(cfg, spec, conv_man),
-            conv_man.get("rejected", {}), rejected.to_json())
+        fresh = fresh_manifest(cfg, spec, conv_man)
+        # stored blocks of other settings are refused here, naming the field, rather than as the actor's death
+        blocks.Manifest.open(paths.fs, paths.hidden_states, fresh, f"{paths.hidden_states}/manifest.json")
+        # on the driver's node: a verifier or train node lost mid-run must not take the manifest's writer with it
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.actor = ray.remote(Committer).options(num_cpus=0, scheduling_strategy=here).remote(
+            cfg.run.storage, cfg.run.endpoint_url, paths.hidden_states, fresh, conv_man.get("rejected", {}),
+            rejected.to_json(), cfg.extract.max_storage_gib, len(train_s) + len(val_s))
         return datasets(cfg, spec, paths, committer=self.actor)
 
     def __enter__(self) -> "HybridStream":

@@ -471,14 +471,145 @@ def driver_kill(args) -> dict:
     return r
 
 
+def online_node_kill(args) -> dict:
+    """Two pools on one cluster, ``train.data_source: online`` (or ``--mode hybrid``): verifier replicas on two
+    verifier nodes (no CPUs), the train worker on a train node (``train.ray_resources``), Ray Data's stream actors
+    on the head. The node of a busy replica is killed mid-training, then a verifier node is added. Reports the
+    workers' traces, where each actor ran, the stream's metrics and what was committed (hybrid)."""
+    import ray
+
+    from eagle3ray import storage
+    from eagle3ray.artifacts import read_metrics
+    from eagle3ray.config import load_config
+    from eagle3ray.machine import ensure_ray
+    from eagle3ray.online import split_samples
+    from eagle3ray.pipeline import _train, run_stage
+    from eagle3ray.prepare import prepare
+    from eagle3ray.train_worker import WorkerHooks
+
+    workdir = Path(args.workdir)
+    busy, trace = workdir / "busy", workdir / "trace"
+    busy.mkdir()
+    os.environ["EAGLE3RAY_STAND_IN_BUSY_DIR"] = str(busy)  # inherited by the raylets started below
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"
+    mport = free_port()
+    cluster = start_cluster(head_cpus=3, metrics_port=mport)
+    verifier_nodes = [add_node(cluster, num_cpus=0, resources={"verifier_slot": 1}).node_id for _ in range(2)]
+    tport = free_port()
+    train_node = add_node(cluster, num_cpus=1, resources={"train_slot": 1}, metrics_export_port=tport).node_id
+    cfg = load_config(write_config(workdir, args.verifier, write_data(workdir / "d.jsonl", 80),
+                                   train={"data_source": args.mode, "ray_resources": {"train_slot": 1},
+                                          "max_steps": 40, "checkpoint_every": 5},
+                                   # a pool of 2 kept up: Serve must replace the lost replica, and only the node
+                                   # added has a free verifier slot
+                                   extract={"min_replicas": 2, "max_replicas": 2},
+                                   # slower than the workers: epoch 0 is still streaming once training has begun,
+                                   # also in hybrid mode, whose later epochs read storage
+                                   verifier={"stand_in_tokens_per_s": 100}),
+                      [f"ray.address={cluster.address}"])
+    prepare(cfg)
+    run_stage(cfg, "vocab", progress=False)
+    ensure_ray(cfg)  # the scraper asks Ray's state API from the start
+    # a node is added from the watcher thread while the main thread trains; Ray's Node registers a SIGTERM handler,
+    # which only the main thread may do (this process is never sent SIGTERM)
+    import ray._private.utils as ray_utils
+
+    set_handler = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda h: set_handler(h) if threading.current_thread() is threading.main_thread() \
+        else None
+    events: dict = {}
+    placed: dict = {}  # actor class -> sorted node ids it ran on
+    alive_on: dict = {}  # verifier node id -> seconds into training when a replica there was first ALIVE
+    seen: dict = {}
+    errors: list = []
+    stop, release = threading.Event(), threading.Event()
+
+    def steps_done() -> int:
+        return max((json.loads(line)["step"] for f in trace.glob("*.jsonl") for line in f.read_text().splitlines()
+                    if line.strip()), default=0)
+
+    def watcher():
+        try:
+            _wait_for(lambda: any(trace.glob("*.jsonl")), 300, "the train worker's start")  # training has begun
+            victim = _wait_busy_worker_node(cluster, busy)
+            events.update(killed=victim.node_id, killed_at_step=steps_done(), replicas_before=serve_replicas())
+            cluster.remove_node(victim, allow_graceful=False)
+            events["added"] = add_node(cluster, num_cpus=0, resources={"verifier_slot": 1}).node_id
+        except Exception as e:  # noqa: BLE001 - reported in the result
+            errors.append(repr(e)[:500])
+        # Ray starts a node's processes with PR_SET_PDEATHSIG, which fires when the *thread* that started them
+        # ends: this thread lives until the cluster is shut down
+        release.wait(timeout=600)
+
+    def scraper():
+        while not stop.is_set():
+            try:
+                for a in ray._private.state.actors().values():
+                    if a["State"] == "ALIVE":
+                        name = a.get("ActorClassName") or ""
+                        kind = ("replica" if "eagle3ray-verifier" in name or "VerifierDeployment" in name else
+                                "train_worker" if "RayTrainWorker" in name else
+                                "stream" if "StateRows" in name or "MapWorker" in name else None)
+                        if kind:
+                            placed.setdefault(kind, set()).add(a["Address"]["NodeID"])
+                for r in serve_replicas():
+                    if r["state"] == "ALIVE":
+                        alive_on.setdefault(r["node_id"], round(time.time() - t0, 1))
+                now: dict = {}  # counters summed over every series of the head and the train node; gauges: last
+                for port in (mport, tport):
+                    for line in scrape(port).splitlines():
+                        if line.startswith("ray_eagle3ray_") and 'run="scenario"' in line:
+                            name, v = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
+                            now[name] = now.get(name, 0.0) + v if name.endswith("_total") else v
+                seen.update(now)
+            except Exception as e:  # noqa: BLE001
+                errors.append("scrape: " + repr(e)[:200])
+            time.sleep(0.5)
+
+    t0 = time.time()
+    threads = [threading.Thread(target=f, daemon=True) for f in (watcher, scraper)]
+    for t in threads:
+        t.start()
+    s = _train(cfg, False, hooks=WorkerHooks(trace_dir=str(trace)))
+    train_s = time.time() - t0
+    if "killed" not in events:
+        errors.append(f"training ended (step {steps_done()}) before the watcher killed a node")
+    try:
+        _wait_for(lambda: events.get("added") in alive_on or not events.get("added"), 90, "a replica on the added node")
+    except TimeoutError as e:
+        errors.append(f"{e}; replicas: {serve_replicas()}; states: {replica_states()}")
+    time.sleep(3)  # the last counter values reach the metrics agent
+    stop.set()
+    threads[1].join(timeout=30)
+    paths = storage.run_paths(cfg)
+    train_samples, val_samples, _ = split_samples(cfg, paths)
+    result = {
+        "steps": s.steps, "train_seconds": train_s, "events": events, "errors": errors[:5],
+        "verifier_nodes": verifier_nodes, "train_node": train_node,
+        "placed": {k: sorted(v) for k, v in placed.items()}, "replica_first_alive_s": alive_on, "metrics": seen,
+        "train_ids": [x["sample_id"] for x in train_samples], "val_ids": [x["sample_id"] for x in val_samples],
+        "tail": [m.get("epoch_tail_samples") for m in read_metrics(paths) if m.get("event") is None],
+        "hidden_states_exist": paths.fs.exists(paths.hidden_states), "hybrid": s.hybrid,
+        "trace": str(trace),
+    }
+    if args.mode == "hybrid":
+        result["committed"] = _committed(cfg)
+    ray.shutdown()
+    cluster.shutdown()
+    release.set()
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["placement", "node_kill", "service", "engine_faults", "driver_kill"])
+    ap.add_argument("scenario", choices=["placement", "node_kill", "service", "engine_faults", "driver_kill",
+                                         "online_node_kill"])
+    ap.add_argument("--mode", default="online", help="online_node_kill: train.data_source (online | hybrid)")
     ap.add_argument("--verifier", required=True)
     ap.add_argument("--workdir", required=True)
     args = ap.parse_args()
     result = {"placement": placement, "node_kill": node_kill, "service": service, "engine_faults": engine_faults,
-              "driver_kill": driver_kill}[args.scenario](args)
+              "driver_kill": driver_kill, "online_node_kill": online_node_kill}[args.scenario](args)
     print("RESULT " + json.dumps(result, default=str), flush=True)
 
 

@@ -16,9 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _scenario(name: str, verifier: str, workdir: Path, timeout: int = 480) -> dict:
+def _scenario(name: str, verifier: str, workdir: Path, timeout: int = 480, *extra: str) -> dict:
     proc = subprocess.run([sys.executable, "tests/cluster_scenarios.py", name, "--verifier", verifier,
-                           "--workdir", str(workdir)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                           "--workdir", str(workdir), *extra], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"scenario {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
@@ -144,3 +145,50 @@ def test_driver_sigkilled_mid_extract_and_mid_train_loses_nothing_and_repeats_no
     for epoch in {e["epoch"] for e in kept}:
         ids = [i for e in kept if e["epoch"] == epoch for i in e["ids"]]
         assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample trained twice across the driver's death"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["online", "hybrid"])
+def test_verifier_node_killed_mid_online_training_every_sample_once_per_epoch_and_the_pool_grows_back(
+        tiny_verifier, tmp_path, mode):
+    """Issue 18: two pools on one cluster (verifier replicas on two verifier nodes, the train worker on a train node,
+    ``train.ray_resources``), ``train.data_source`` online or hybrid. Once the train worker has started, the node of
+    a busy replica is killed, then a verifier node joins: training completes; no sample is trained twice in an epoch and epoch 0 trains
+    every training sample (less the counted tail); the lost unit was retried; a replica comes up on the new node;
+    online stores nothing, hybrid commits every sample exactly once (a complete, sealed manifest, no orphan)."""
+    from test_train import _lineage
+
+    r = _scenario("online_node_kill", tiny_verifier, tmp_path, 540, "--mode", mode)
+    assert r["errors"] == [], r["errors"]
+    assert r["steps"] == 40
+    ev = r["events"]
+    assert ev["killed"] in r["verifier_nodes"] and 0 <= ev["killed_at_step"] < 40
+    assert any(x["node_id"] == ev["killed"] and x["state"] == "ALIVE" for x in ev["replicas_before"])
+    # the two pools stayed apart: replicas only on verifier nodes, the train worker only on the train node
+    assert set(r["placed"]["replica"]) <= set(r["verifier_nodes"]) | {ev["added"]}
+    assert r["placed"]["train_worker"] == [r["train_node"]]
+    assert ev["added"] in r["replica_first_alive_s"]  # the pool grew back on the node that joined
+    assert r["metrics"]["ray_eagle3ray_online_retries_total"] >= 1  # the unit in flight on the dead node
+    m = r["metrics"]
+    assert m["ray_eagle3ray_online_tokens_streamed_total"] > 0 and m["ray_eagle3ray_train_tokens_total"] > 0
+    assert 0 <= m["ray_eagle3ray_train_data_wait_fraction"] <= 1
+    kept = _lineage(Path(r["trace"]))
+    assert [e["step"] for e in kept] == list(range(1, 41))
+    epochs = sorted({e["epoch"] for e in kept})
+    assert len(epochs) >= 2, "the test needs epoch 0 to end"
+    for epoch in epochs:
+        ids = [i for e in kept if e["epoch"] == epoch for i in e["ids"]]
+        assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample was trained twice"
+    epoch0 = {i for e in kept if e["epoch"] == 0 for i in e["ids"]}
+    assert epoch0 <= set(r["train_ids"])
+    tail = next(t for t in r["tail"] if t is not None)
+    assert len(r["train_ids"]) - len(epoch0) == tail, (len(epoch0), tail)  # 1 worker: no row left by the split
+    if mode == "online":
+        assert not r["hidden_states_exist"]
+    else:
+        c = r["committed"]
+        assert c["complete"] and r["hybrid"]["complete"]
+        assert sorted(c["committed_ids"]) == sorted(r["train_ids"] + r["val_ids"])
+        assert len(c["committed_ids"]) == len(set(c["committed_ids"]))
+        assert c["manifest_blocks"] == c["blocks_on_disk"]
+        assert r["metrics"]["ray_eagle3ray_online_tokens_from_storage_total"] > 0  # epoch 1 read back

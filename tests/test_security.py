@@ -107,7 +107,7 @@ except UnguardedClusterError as e:
     print("REFUSED", e)
 else:
     import ray
-    print("ATTACHED", len(ray.nodes()))
+    print("ATTACHED", len(ray.nodes()), "GCS", ray.get_runtime_context().gcs_address)
 """
 
 
@@ -117,7 +117,8 @@ def test_an_unauthenticated_ray_start_cluster_is_refused_unless_the_config_allow
     the way out, one with ray.allow_unauthenticated=true attaches."""
     from eagle3ray.machine import cluster_auth_mode
 
-    temp_dir = f"/tmp/e3r-sec-{os.getpid()}"  # short: Ray's socket paths must stay under 108 chars
+    tmp_root = f"/tmp/e3r-sec-{os.getpid()}"  # short: Ray's socket paths must stay under 108 chars
+    temp_dir = f"{tmp_root}/ray"  # Ray's default place under RAY_TMPDIR=tmp_root: drivers there find this cluster
     gcs, _, port_args = cluster_ports(temp_dir)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
@@ -130,13 +131,19 @@ def test_an_unauthenticated_ray_start_cluster_is_refused_unless_the_config_allow
         assert cluster_auth_mode(f"127.0.0.1:{gcs}") == "disabled"
         driver_env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}  # a driver as a user would run it
         out = {}
-        for name, extra in (("default", []), ("allowed", ["ray.allow_unauthenticated=true"])):
-            d = subprocess.run([sys.executable, "-c", _DRIVER, f"ray.address=127.0.0.1:{gcs}", *extra],
-                               env=driver_env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        for name, extra in (("default", [f"ray.address=127.0.0.1:{gcs}"]),
+                            ("allowed", [f"ray.address=127.0.0.1:{gcs}", "ray.allow_unauthenticated=true"]),
+                            ("local", ["ray.num_cpus=1"])):
+            d = subprocess.run([sys.executable, "-c", _DRIVER, *extra], env={**driver_env, "RAY_TMPDIR": tmp_root},
+                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
             out[name] = d.stdout + d.stderr
         assert "REFUSED" in out["default"] and "answers calls that carry no authentication token" in out["default"]
         assert "RAY_AUTH_MODE=token" in out["default"], out["default"]
-        assert "ATTACHED 1" in out["allowed"], out["allowed"]
+        assert f"ATTACHED 1 GCS 127.0.0.1:{gcs}" in out["allowed"], out["allowed"]
+        # no ray.address: a local cluster of its own (with token auth), not the `ray start` one already running here
+        # (ray.init() alone attached to it, and with ray.num_cpus failed: "When connecting to an existing cluster,
+        # num_cpus and num_gpus must not be provided")
+        assert "ATTACHED 1 GCS" in out["local"] and f"GCS 127.0.0.1:{gcs}" not in out["local"], out["local"]
     finally:
         stop_cluster(temp_dir, gcs)
 
