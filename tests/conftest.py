@@ -54,7 +54,9 @@ def ray_session():
     """One local Ray cluster (4 logical CPUs on 127.0.0.1) for all tests that need it."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", namespace="eagle3ray-tests")
+    # address="local": a cluster of the tests' own, even when another one runs on this machine (a `ray start`, a run)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             namespace="eagle3ray-tests")
     yield ray
     try:
         from ray import serve
