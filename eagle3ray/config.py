@@ -386,6 +386,16 @@ class TrainSection(_Strict):
         "training (the measured split between data and steps: docs/plan.md).")
     max_tokens_per_batch: int = Field(2048, ge=16, description="Packed sequence length of one worker's step.")
     lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="'adamw': AdamW (lr, weight_decay) over every trainable weight. 'muon': speculators' "
+        "split (speculators.train.optimizers.build_optimizers, its default optimizer): torch.optim.Muon over the "
+        "2D weight matrices other than embeddings and lm_head, AdamW (lr, weight_decay) over the rest, both on the "
+        "same warm-up and cosine schedule (measured against adamw in docs/results.md).")
+    muon_lr: float | None = Field(None, gt=0, description="With optimizer: muon, the Muon group's peak learning "
+                                  "rate (scaled to AdamW's update RMS, speculators' match_rms_adamw); unset: lr.")
+    muon_weight_decay: float = Field(0.1, ge=0, description="With optimizer: muon, the Muon group's weight decay "
+                                     "(speculators' default).")
+    muon_momentum: float = Field(0.95, gt=0, lt=1, description="With optimizer: muon, the Muon group's momentum.")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps before the cosine decay.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

@@ -5,7 +5,7 @@ Model, data alignment and loss are speculators' own: ``Eagle3DraftModel`` (:func
 (packs samples into one sequence of ``max_tokens_per_batch`` tokens with document ids). The loop around them is
 ours because speculators' ``Trainer`` is CUDA-only (FIELD_NOTES).
 
-- :class:`DraftStep`: draft, AdamW, linear warm-up then cosine decay to ``min_lr_ratio``, bf16 autocast
+- :class:`DraftStep`: draft, AdamW (or Muon + AdamW), linear warm-up then cosine decay to ``min_lr_ratio``, bf16 autocast
   (``train.autocast``), gradient clipping, speculators' loss with TTT steps; ``step(batch) -> metrics`` and
   ``evaluate(batches) -> sums``. Every benchmark that times a training step uses this object.
 - :class:`WorkerCheckpoint`: what a checkpoint directory holds and how a worker restores it.
@@ -202,6 +202,30 @@ class EpochBatches:
 
 
 # ------------------------------------------------------------------------------------------------ step
+def build_optimizers(draft, tc: dict) -> list:
+    """The optimizers of the draft's trainable weights, by ``train.optimizer``.
+
+    ``adamw``: one ``torch.optim.AdamW`` (``lr``, ``weight_decay``) over every trainable weight. ``muon``:
+    speculators' ``build_optimizers`` (speculators/train/optimizers.py, the default optimizer of its trainer):
+    ``torch.optim.Muon`` (``muon_lr`` or ``lr``, ``muon_weight_decay``, ``muon_momentum``, 5 Newton-Schulz steps,
+    ``adjust_lr_fn="match_rms_adamw"``) over the 2D weight matrices other than embeddings and ``lm_head``, then
+    AdamW (``lr``, ``weight_decay``) over the rest: ``[Muon, AdamW]``.
+    """
+    import torch
+
+    if tc.get("optimizer", "adamw") == "adamw":  # kept as before: checkpoints' optimizer states index this list
+        return [torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tc["lr"],
+                                  weight_decay=tc["weight_decay"])]
+    from types import SimpleNamespace
+
+    from speculators.train.optimizers import build_optimizers as speculators_build
+
+    return speculators_build(draft, SimpleNamespace(
+        optimizer="muon", lr=tc["lr"], weight_decay=tc["weight_decay"], muon_lr=tc.get("muon_lr") or tc["lr"],
+        muon_momentum=tc["muon_momentum"], muon_weight_decay=tc["muon_weight_decay"], muon_ns_steps=5,
+        muon_adjust_lr_fn="match_rms_adamw"))
+
+
 def lr_lambda(warmup: int, total: int, floor: float):
     """LR multiplier per step: linear warm-up over ``warmup`` steps, then cosine decay to ``floor`` at ``total``."""
     def f(step: int) -> float:
@@ -250,8 +274,8 @@ class DraftStep:
     core: object  # the Eagle3DraftModel
     tc: dict  # the train section as a dict
     num_aux: int
-    optimizer: object
-    scheduler: object
+    optimizers: list  # [AdamW], or [Muon, AdamW] with train.optimizer: muon (build_optimizers)
+    schedulers: list  # one LambdaLR per optimizer, the same schedule
     trainable: list
     loss_cfg: object
     collate: object
@@ -266,18 +290,19 @@ class DraftStep:
     @classmethod
     def build(cls, tc: dict, verifier_path: str, aux_layer_ids: list[int], d2t, t2d, hidden_size: int,
               autocast_bf16: bool) -> "DraftStep":
-        """The draft (:func:`eagle3ray.draft.build_draft`, initialised from the current torch RNG), AdamW over its
-        trainable parameters, the LR schedule (:func:`lr_lambda`), speculators' loss config and collate."""
+        """The draft (:func:`eagle3ray.draft.build_draft`, initialised from the current torch RNG), its optimizers
+        (:func:`build_optimizers`), the LR schedule of each (:func:`lr_lambda`), speculators' loss config and
+        collate."""
         import torch
         from speculators.losses import resolve_loss_config
         from speculators.train.data import CollateFn
 
         draft = build_draft(verifier_path, aux_layer_ids, d2t, t2d, tc)
         trainable = [p for p in draft.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(trainable, lr=tc["lr"], weight_decay=tc["weight_decay"])
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc["warmup_steps"], tc["max_steps"],
-                                                                 tc["min_lr_ratio"]))
-        return cls(core=draft, tc=tc, num_aux=len(aux_layer_ids), optimizer=opt, scheduler=sched,
+        opts = build_optimizers(draft, tc)
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(tc["warmup_steps"], tc["max_steps"],
+                                                                 tc["min_lr_ratio"])) for o in opts]
+        return cls(core=draft, tc=tc, num_aux=len(aux_layer_ids), optimizers=opts, schedulers=scheds,
                    trainable=trainable, loss_cfg=resolve_loss_config(tc["loss"], tc["loss_impl"]),
                    collate=CollateFn(tc["max_tokens_per_batch"], hidden_size, len(aux_layer_ids),
                                      dtype=torch.float32),
@@ -297,7 +322,8 @@ class DraftStep:
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        """The current learning rate of the first optimizer (Muon's with ``train.optimizer: muon``)."""
+        return self.schedulers[0].get_last_lr()[0]
 
     def forward(self, batch: dict, training: bool):
         """(loss, metric sums) of one batch; training adds ``train.hidden_noise`` feature noise."""
@@ -314,7 +340,7 @@ class DraftStep:
         return loss, metrics
 
     def step(self, batch: dict, where: str = "a step") -> dict:
-        """Forward, backward, clip to ``train.grad_clip``, AdamW and scheduler step; returns the metric sums.
+        """Forward, backward, clip to ``train.grad_clip``, optimizer and scheduler steps; returns the metric sums.
 
         Raises:
             NonFiniteLoss: the loss or the gradient norm is NaN/Inf (``where`` names the step and samples); the
@@ -332,14 +358,17 @@ class DraftStep:
         loss, metrics = self.forward(batch, training=True)
         if not torch.isfinite(loss.detach()).all():
             raise NonFiniteLoss(f"{where}: loss is {loss.item()}; the weights were not updated")
-        self.optimizer.zero_grad(set_to_none=True)
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.tc["grad_clip"])
         if not torch.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
+            for o in self.optimizers:
+                o.zero_grad(set_to_none=True)
             raise NonFiniteLoss(f"{where}: gradient norm is {norm.item()}; the weights were not updated")
-        self.optimizer.step()
-        self.scheduler.step()
+        for o, sched in zip(self.optimizers, self.schedulers, strict=True):
+            o.step()
+            sched.step()
         return metrics
 
     def evaluate(self, batches) -> dict:
@@ -484,8 +513,16 @@ class WorkerCheckpoint:
                 raise RuntimeError(f"checkpoint {ckpt.path} lacks trainable weights {sorted(missing)[:5]}")
             step.core.load_state_dict(state, strict=False)
             ts = torch.load(os.path.join(d, STATE_FILE), weights_only=True)
-            step.optimizer.load_state_dict(ts["optimizer"])
-            step.scheduler.load_state_dict(ts["scheduler"])
+            opt_states, sched_states = ts["optimizer"], ts["scheduler"]
+            if isinstance(opt_states, dict):  # one optimizer, as checkpoints held before train.optimizer existed
+                opt_states, sched_states = [opt_states], [sched_states]
+            if len(opt_states) != len(step.optimizers):
+                raise RuntimeError(f"checkpoint {ckpt.path} holds {len(opt_states)} optimizer states, this config's "
+                                   f"train.optimizer builds {len(step.optimizers)}")
+            for o, sd in zip(step.optimizers, opt_states):
+                o.load_state_dict(sd)
+            for sched, sd in zip(step.schedulers, sched_states):
+                sched.load_state_dict(sd)
             pos.step, pos.epoch = int(ts["step"]), int(ts["epoch"])
             torch.set_rng_state(ts["torch_rng"])
             for name in os.listdir(d):  # data positions of every rank (the split may differ now)
@@ -510,11 +547,12 @@ class WorkerCheckpoint:
 
         if rank == 0:
             trainable = {n: p.detach().cpu().contiguous() for n, p in step.core.named_parameters() if p.requires_grad}
-            need = 3 * sum(t.numel() * t.element_size() for t in trainable.values())  # weights + AdamW's 2 moments
+            need = 3 * sum(t.numel() * t.element_size() for t in trainable.values())  # weights + <= 2 moments
             WorkerCheckpoint._write(d, TRAINABLE_FILE, need, n_steps,
                                     lambda path: save_file(trainable, path))
             WorkerCheckpoint._write(d, STATE_FILE, need, n_steps, lambda path: torch.save(
-                {"optimizer": step.optimizer.state_dict(), "scheduler": step.scheduler.state_dict(),
+                {"optimizer": [o.state_dict() for o in step.optimizers],
+                 "scheduler": [sched.state_dict() for sched in step.schedulers],
                  "step": n_steps, "epoch": epoch, "torch_rng": torch.get_rng_state()}, path))
         with open(os.path.join(d, f"data_rank{rank}.json"), "w") as f:
             json.dump({"epoch": epoch, "consumed": sorted(mine)}, f)

@@ -167,6 +167,10 @@ def test_a_setting_added_later_at_its_default_keeps_old_checkpoints(tmp_path):
     storage.write_json_atomic(paths.fs, f"{paths.sub('vocab')}/vocab.json",
                               {"draft_vocab_size": 8192, "token_freq_sha256": "abc"})
     old = train_settings(cfg, paths)
+    # an AdamW run's settings hold no train.optimizer/muon_* (added later): its checkpoints keep resuming
+    assert not [k for k in old if "muon" in k or k == "train.optimizer"]
+    muon = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r", "train.optimizer=muon"])
+    assert {"train.optimizer", "train.muon_lr"} <= set(train_settings(muon, paths))
     del old["train.hidden_noise"]  # checkpoints written before the option existed
     storage.write_json_atomic(paths.fs, f"{ck}/settings.json", old)
     storage.write_json_atomic(paths.fs, f"{ck}/complete.json", {"max_steps": 120})
@@ -239,7 +243,7 @@ def test_blocks_of_another_compute_dtype_are_not_resumed():
     check_compatible(old, new_manifest({**ident, "compute_dtype": "float32"}, [1, 2, 3, 4], "bfloat16", conv), "m")
 
 
-def _tiny_step(tiny_verifier, max_tokens: int = 64):
+def _tiny_step(tiny_verifier, max_tokens: int = 64, overrides: tuple = ()):
     """A DraftStep on the tiny verifier (draft vocabulary 512), on the CPU."""
     import torch
 
@@ -247,7 +251,7 @@ def _tiny_step(tiny_verifier, max_tokens: int = 64):
     from eagle3ray.train_worker import DraftStep
 
     cfg = load_config(None, ["vocab.draft_vocab_size=512", f"train.max_tokens_per_batch={max_tokens}",
-                             "train.autocast=off"])
+                             "train.autocast=off", *overrides])
     d2t, t2d = torch.zeros(512, dtype=torch.long), torch.zeros(49152, dtype=torch.bool)
     t2d[:512] = True
     torch.manual_seed(0)
@@ -426,3 +430,50 @@ def test_an_epoch_that_trained_nothing_from_a_fresh_start_stops_the_run_naming_t
         _check_epoch_trained(DataPosition(step=40, epoch=3), 40, True, 2)
     _check_epoch_trained(DataPosition(step=40, epoch=3), 40, False, 2)  # resumed: its samples were consumed
     _check_epoch_trained(DataPosition(step=41, epoch=3), 40, True, 2)  # trained a step
+
+
+def test_muon_steps_the_matrices_and_adamw_the_rest_and_a_checkpoint_resumes_both_exactly(tiny_verifier, tmp_path,
+                                                                                         monkeypatch):
+    """train.optimizer: muon is speculators' split (Muon over the 2D matrices, AdamW over the norms and the rest):
+    the loss falls on a repeated batch, and a checkpoint written by WorkerCheckpoint.save and read back into a
+    freshly built step takes the next step exactly as the step that never stopped (momentum buffers and both
+    schedules restored). A checkpoint of one AdamW state (as written before train.optimizer existed) still loads."""
+    import ray.train
+    import torch
+
+    from eagle3ray.train_worker import EpochBatches, WorkerCheckpoint
+
+    step = _tiny_step(tiny_verifier, overrides=("train.optimizer=muon", "train.warmup_steps=0", "train.max_steps=20"))
+    assert [type(o).__name__ for o in step.optimizers] == ["Muon", "AdamW"]
+    params = dict(step.core.named_parameters())
+    by_opt = [[n for n, p in params.items() if any(p is q for g in o.param_groups for q in g["params"])]
+              for o in step.optimizers]
+    assert by_opt[0] and all(params[n].ndim == 2 and "lm_head" not in n and "embed" not in n for n in by_opt[0])
+    assert by_opt[1] and all(params[n].ndim == 1 for n in by_opt[1])  # the norms (lm_head is frozen here)
+    assert sorted(by_opt[0] + by_opt[1]) == sorted(n for n, p in params.items() if p.requires_grad)
+
+    _, batch = next(iter(EpochBatches(_Shard(_rows([40, 20])), step, 0, set())))
+    losses = [float(step.step(batch)["loss_sum"]) for _ in range(6)]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.98 * losses[0], losses
+
+    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), {"get_world_size": lambda self: 1})())
+    WorkerCheckpoint.save(str(tmp_path), step, 0, 6, 0, {"s0", "s1"})
+    again = _tiny_step(tiny_verifier, overrides=("train.optimizer=muon", "train.warmup_steps=0", "train.max_steps=20"))
+    pos = WorkerCheckpoint.restore(ray.train.Checkpoint.from_directory(str(tmp_path)), again)
+    assert (pos.step, pos.consumed) == (6, {"s0", "s1"}) and again.lr == step.lr
+    step.step(batch)
+    again.step(batch)
+    for (n, a), b in zip(step.core.named_parameters(), again.core.parameters()):
+        assert torch.equal(a, b), n
+
+    adamw = _tiny_step(tiny_verifier)
+    assert [type(o).__name__ for o in adamw.optimizers] == ["AdamW"]
+    adamw.step(batch)
+    state = torch.load(tmp_path / "trainer_state.pt", weights_only=True)
+    torch.save({**state, "optimizer": adamw.optimizers[0].state_dict(),
+                "scheduler": adamw.schedulers[0].state_dict()}, tmp_path / "trainer_state.pt")
+    old_format = _tiny_step(tiny_verifier)
+    WorkerCheckpoint.restore(ray.train.Checkpoint.from_directory(str(tmp_path)), old_format)
+    assert old_format.optimizers[0].state_dict()["state"].keys() == adamw.optimizers[0].state_dict()["state"].keys()
+    with pytest.raises(RuntimeError, match="holds 1 optimizer states, this config's train.optimizer builds 2"):
+        WorkerCheckpoint.restore(ray.train.Checkpoint.from_directory(str(tmp_path)), again)
