@@ -95,8 +95,9 @@ def _check_manifest(man: dict, spec, where: str) -> None:
 _RESUMABLE_FIELDS = ("max_steps", "checkpoint_every", "max_failures", "verify_blocks", "num_workers",
                      "cpus_per_worker", "ray_resources")
 
-#: Train fields that only matter with ``train.optimizer: muon`` (left out of an AdamW run's settings).
-_MUON_FIELDS = ("optimizer", "muon_lr", "muon_weight_decay", "muon_momentum")
+#: Train fields that only matter with ``train.optimizer: muon`` (left out of an AdamW run's settings, so that they
+#: never set its checkpoints aside).
+_MUON_FIELDS = ("muon_lr", "muon_weight_decay", "muon_momentum")
 
 
 def train_settings(cfg, paths: storage.RunPaths) -> dict:
@@ -111,7 +112,7 @@ def train_settings(cfg, paths: storage.RunPaths) -> dict:
     if not vocab:  # without it the settings would differ from any recorded ones and set a training aside
         raise FileNotFoundError(f"{paths.uri}/vocab/vocab.json: no draft vocabulary; run `eagle3ray vocab`")
     out = {f"train.{k}": v for k, v in cfg.train.model_dump(mode="json").items() if k not in _RESUMABLE_FIELDS}
-    if out["train.optimizer"] == "adamw":  # the Muon fields do not apply; runs from before they existed still resume
+    if out["train.optimizer"] == "adamw":  # the Muon fields do not apply
         for k in _MUON_FIELDS:
             out.pop(f"train.{k}")
     out.update({f"vocab.{k}": vocab.get(k) for k in ("draft_vocab_size", "token_freq_sha256")})
