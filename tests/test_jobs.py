@@ -28,40 +28,27 @@ REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
 
+def _client(address: str):
+    from ray.job_submission import JobSubmissionClient
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env.update({"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                "PATH": f"{VENV_BIN}:{env.get('PATH', '')}"})
-    env.pop("RAY_ADDRESS", None)
-    return env
+    # Token authentication is on: the README block's `ray get-auth-token --generate` wrote ~/.ray/auth_token.
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    return JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"})
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A Ray head on 127.0.0.1 with the dashboard and token auth; yields the dashboard address."""
-    tmp = tmp_path_factory.mktemp("raycluster")
-    temp_dir = f"/tmp/e3r-jobs-{os.getpid()}"  # short: Ray's socket paths must stay under 108 chars
-    gcs, dash, port_args = _cluster_ports(temp_dir)
-    # `ray start` with RAY_AUTH_MODE=token needs a token; create the default one if this machine has none.
-    r = subprocess.run([str(VENV_BIN / "ray"), "get-auth-token", "--generate"], env=_env(), capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--include-dashboard=true",
-           "--dashboard-host=127.0.0.1", "--num-cpus=4", *port_args]
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stdout + r.stderr
-    address = f"http://127.0.0.1:{dash}"
-    yield {"address": address, "tmp": tmp}
-    _stop_cluster(temp_dir, gcs)
+def _job_logs(address: str) -> str:
+    """The logs of the one job submitted so far to the cluster at ``address`` (drivers that connected without
+    `ray job submit`, such as `eagle3ray check --cluster`, are listed too, with no submission id)."""
+    client = _client(address)
+    jobs = [j.submission_id for j in client.list_jobs() if j.submission_id]
+    assert len(jobs) == 1, jobs
+    return client.get_job_logs(jobs[0])
 
 
 def _submit_and_wait(address: str, entrypoint: str, timeout: float = 900) -> tuple[str, str]:
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.job_submission import JobStatus
 
-    # Token authentication is on: `ray start` (RAY_AUTH_MODE=token) wrote ~/.ray/auth_token if it was missing.
-    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
-    client = JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"})
+    client = _client(address)
     deadline = time.time() + 120
     while True:  # right after `ray start` the dashboard answers before its job agent is up
         try:
@@ -82,41 +69,6 @@ def _submit_and_wait(address: str, entrypoint: str, timeout: float = 900) -> tup
     return "TIMEOUT", client.get_job_logs(job)
 
 
-def test_pipeline_as_ray_job_then_second_job_reuses_verifier(cluster, tiny_verifier):
-    tmp = cluster["tmp"]
-    train_file = write_chat_jsonl(tmp / "train.jsonl", _convs(24, seed=11))
-    cfg = tmp / "job.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "run": {"name": "job1", "storage": f"file://{tmp}/runs"},
-        "verifier": {"model": tiny_verifier, "aux_layer_ids": TINY_AUX, "max_model_len": 512,
-                     "cpu_kv_cache_gib": 1, "num_cpus": 0.5, "dtype": "float32"},
-        "data": {"train": [{"kind": "chat", "path": str(train_file)}], "eval": [{"kind": "mtbench"}]},
-        "extract": {"max_tokens_per_batch": 512},
-        "vocab": {"draft_vocab_size": 256},
-        "train": {"num_workers": 1, "max_steps": 4, "checkpoint_every": 2, "max_tokens_per_batch": 256,
-                  "val_fraction": 0.2},
-        "validation": {"max_prompts": 2, "max_new_tokens": 8, "max_num_seqs": 2},
-    }))
-    status, logs = _submit_and_wait(cluster["address"], f"{sys.executable} jobs/run.py -c {cfg} --no-progress")
-    assert status == "SUCCEEDED", logs[-4000:]
-    assert "mean acceptance length" in logs
-    report = yaml.safe_load((tmp / "runs" / "job1" / "reports" / "validate.json").read_text())
-    assert report["num_prompts"] == 2 and report["greedy_identical"] == "2/2"
-    started = re.search(r"verifier service (\S+) started .*?replica pid (\d+), engine loads in that process (\d+)",
-                        logs)
-    assert started, logs[-3000:]
-
-    # Second job, another run on the same verifier: the running service is reused, not loaded again.
-    status2, logs2 = _submit_and_wait(cluster["address"],
-                                      f"{sys.executable} jobs/extract.py -c {cfg} run.name=job2 --no-progress")
-    assert status2 == "SUCCEEDED", logs2[-4000:]
-    reused = re.search(r"verifier service (\S+) reusing running: replica pid (\d+), engine loads in that process "
-                       r"(\d+)", logs2)
-    assert reused, logs2[-3000:]
-    assert reused.group(1) == started.group(1) and reused.group(2) == started.group(2)
-    assert reused.group(3) == "1"  # the replica process loaded its engine once
-
-
 def _readme_block(heading: str) -> str:
     """The first ```bash block after ``heading`` in README.md."""
     text = (REPO / "README.md").read_text()
@@ -126,11 +78,14 @@ def _readme_block(heading: str) -> str:
 
 
 def test_readme_jobs_block_works_as_written_from_a_plain_shell(tmp_path, tiny_verifier):
-    """README's Ray Jobs block, pasted into a shell where the venv is not activated, runs the pipeline as a job.
+    """README's Ray Jobs block, pasted into a shell where the venv is not activated, runs the pipeline as a job;
+    a second job on the same cluster (another run on the same verifier) reuses the running verifier service: the
+    same replica process, which loaded its engine once.
 
     The test changes only what must differ on a shared test machine: the cluster's ports and temp dir (so that
     it stops exactly its own processes instead of `ray stop`, which would stop every cluster here), the address
     `auto` (another test cluster may be the machine's latest), and small sizes for the job (the tiny verifier).
+    One cluster serves both jobs: each `ray start` and pipeline costs minutes on 2 cores.
     """
     import shlex
 
@@ -162,10 +117,26 @@ def test_readme_jobs_block_works_as_written_from_a_plain_shell(tmp_path, tiny_ve
            "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x"}
     try:
         r = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, script + "\n----\n" + out[-5000:]
+        assert "mean acceptance length" in out
+        report = yaml.safe_load((tmp_path / "runs" / "readme-jobs" / "reports" / "validate.json").read_text())
+        assert report["num_prompts"] == 2 and report["greedy_identical"] == "2/2"
+        address = f"http://127.0.0.1:{dash}"
+        first_logs = _job_logs(address)
+        started = re.search(r"verifier service (\S+) started .*?replica pid (\d+), engine loads in that process "
+                            r"(\d+)", first_logs)
+        assert started, first_logs[-3000:]
+
+        # Second job, another run on the same verifier: the running service is reused, not loaded again.
+        second = " ".join(shlex.quote(o) for o in [*small, "run.name=job2"])
+        status2, logs2 = _submit_and_wait(address, f"{VENV_BIN / 'python'} jobs/extract.py -c "
+                                                    f"configs/smollm2-135m-cpu.yaml {second} --no-progress")
+        assert status2 == "SUCCEEDED", logs2[-4000:]
+        reused = re.search(r"verifier service (\S+) reusing running: replica pid (\d+), engine loads in that "
+                           r"process (\d+)", logs2)
+        assert reused, logs2[-3000:]
+        assert reused.group(1) == started.group(1) and reused.group(2) == started.group(2)
+        assert reused.group(3) == "1"  # the replica process loaded its engine once
     finally:
         _stop_cluster(temp_dir, gcs)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, script + "\n----\n" + out[-5000:]
-    assert "mean acceptance length" in out
-    report = yaml.safe_load((tmp_path / "runs" / "readme-jobs" / "reports" / "validate.json").read_text())
-    assert report["num_prompts"] == 2
