@@ -161,7 +161,8 @@ def test_a_setting_added_later_at_its_default_keeps_old_checkpoints(tmp_path):
     from eagle3ray.config import load_config
     from eagle3ray.train import _supersede_if_settings_changed, train_settings
 
-    cfg = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r"])
+    # AdamW, as every run was before train.optimizer existed (the embedded config says muon now)
+    cfg = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r", "train.optimizer=adamw"])
     paths = storage.run_paths(cfg)
     ck = paths.sub("checkpoints")
     storage.write_json_atomic(paths.fs, f"{paths.sub('vocab')}/vocab.json",
@@ -178,7 +179,8 @@ def test_a_setting_added_later_at_its_default_keeps_old_checkpoints(tmp_path):
     assert paths.fs.exists(f"{ck}/complete.json")
     assert storage.read_json(paths.fs, f"{ck}/settings.json") == train_settings(cfg, paths)
     # the same option set to something else is a change
-    noisy = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r", "train.hidden_noise=0.1"])
+    noisy = load_config(None, [f"run.storage=file://{tmp_path}", "run.name=r", "train.optimizer=adamw",
+                               "train.hidden_noise=0.1"])
     _supersede_if_settings_changed(paths, ck, train_settings(noisy, paths))
     assert paths.fs.exists(f"{ck}.superseded-1/complete.json")
 
@@ -466,13 +468,13 @@ def test_muon_steps_the_matrices_and_adamw_the_rest_and_a_checkpoint_resumes_bot
     for (n, a), b in zip(step.core.named_parameters(), again.core.parameters()):
         assert torch.equal(a, b), n
 
-    adamw = _tiny_step(tiny_verifier)
+    adamw = _tiny_step(tiny_verifier, overrides=("train.optimizer=adamw",))
     assert [type(o).__name__ for o in adamw.optimizers] == ["AdamW"]
     adamw.step(batch)
     state = torch.load(tmp_path / "trainer_state.pt", weights_only=True)
     torch.save({**state, "optimizer": adamw.optimizers[0].state_dict(),
                 "scheduler": adamw.schedulers[0].state_dict()}, tmp_path / "trainer_state.pt")
-    old_format = _tiny_step(tiny_verifier)
+    old_format = _tiny_step(tiny_verifier, overrides=("train.optimizer=adamw",))
     WorkerCheckpoint.restore(ray.train.Checkpoint.from_directory(str(tmp_path)), old_format)
     assert old_format.optimizers[0].state_dict()["state"].keys() == adamw.optimizers[0].state_dict()["state"].keys()
     with pytest.raises(RuntimeError, match="holds 1 optimizer states, this config's train.optimizer builds 2"):
