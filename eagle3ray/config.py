@@ -485,6 +485,11 @@ class ValidateSection(_Strict):
         3600.0, gt=0, description="Seconds one validation engine call (an engine's load, or decoding every prompt "
         "at one temperature) may take; past it the stage stops naming the call, the engine is killed (a hung engine "
         "would otherwise block the stage forever without a log line).")
+    engines_at_once: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Validation engines started together, so that their loads overlap; each then decodes "
+        "alone (no engine loads or decodes while another one's speed is timed). auto = 2 on CPU (an engine's start "
+        "is mostly single-threaded imports and loading), 1 on GPU (each engine takes "
+        "verifier.gpu_memory_utilization of the GPU).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         None, description="Compute dtype of the engines that measure acceptance and speed; null = verifier.dtype.")
     greedy_check_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(

@@ -203,6 +203,10 @@ def require_guarded_cluster(allow_unauthenticated: bool, where: str) -> str:
     return mode
 
 
+#: True once :func:`ensure_ray` has started a local cluster in this process (it ends with the process).
+STARTED_LOCAL_CLUSTER = False
+
+
 def ensure_ray(cfg) -> bool:
     """Connect to (or start) Ray per ``cfg.ray``; returns True when this call started the connection.
 
@@ -244,6 +248,8 @@ def ensure_ray(cfg) -> bool:
                  namespace=cfg.ray.namespace, _node_ip_address="127.0.0.1", log_to_driver=verbose(),
                  runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}})
         where = "127.0.0.1 (started by this command)"
+        global STARTED_LOCAL_CLUSTER
+        STARTED_LOCAL_CLUSTER = True
     quiet_loggers()
     try:
         require_guarded_cluster(allow, where)

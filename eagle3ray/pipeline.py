@@ -228,5 +228,39 @@ def run(cfg, *, progress: bool = True, on_stage: Callable[[str, str, Any, float]
 
 
 def _run_stages(cfg, progress: bool, record) -> None:
+    last = last_service_stage(cfg)
     for name in STAGES:
         run_stage(cfg, name, progress=progress, on_stage=record)
+        if name == last:
+            release_local_verifier(cfg)
+
+
+def last_service_stage(cfg) -> str:
+    """The last stage of a run that calls the verifier service: ``extract`` (offline, or a hybrid run whose
+    extraction is complete), else ``train`` (online and hybrid runs stream states from it while training)."""
+    return "extract" if cfg.train.data_source == "offline" or _hybrid_complete(cfg) else "train"
+
+
+def release_local_verifier(cfg) -> bool:
+    """Stop the verifier service when it runs on a local Ray cluster that this process started
+    (:data:`eagle3ray.machine.STARTED_LOCAL_CLUSTER`: ``ray.address`` unset, no ``RAY_ADDRESS``): that cluster,
+    and the service with it, ends with the command, so nothing later could reuse it, and while its engine stays
+    resident validation's engines start 2-4x slower on a 24 GiB machine (vLLM's ``init engine`` 25-58 s against
+    1-5 s; docs/results.md, "The verifier service stopped before validation"). On a cluster given by address (a
+    Ray Job, a pinned service) the service stays up for later jobs. Returns True when a service was stopped."""
+    import ray
+
+    from . import machine
+
+    if not (machine.STARTED_LOCAL_CLUSTER and ray.is_initialized()):
+        return False
+    from .verifier import VerifierSpec
+    from .verifier_service import stop_verifier
+
+    stopped = stop_verifier(VerifierSpec.from_config(cfg))
+    if stopped:
+        import logging
+
+        logging.getLogger(__name__).info("verifier service stopped: no later stage of this run calls it, and the "
+                                         "local cluster ends with the command")
+    return stopped

@@ -59,7 +59,9 @@ OVERHEADS = {
     "eval_fraction": 0.05,        # held-out evaluations, as a fraction of training time
     "export_s": 2.0,
     "validate_fixed_s": 10.0,
-    "engine_actor_s": 3.0,        # per validation engine: actor start, on top of 2 x the probe's in-process load
+    "engine_actor_s": 3.0,        # per validation engine: Ray actor start, on top of the probe's fresh-process start
+    "engines_together": 0.8,      # each further engine started together adds this fraction of one engine's start
+                                  # (two: 32-37 s against 18-22 s alone; docs/results.md, session 19)
     "val_decode_efficiency": 0.55,  # validation's tokens/s over the probe's at its batch (MT-Bench's longer
                                     # prompts, 128-token answers, the batch's tail)
     "spec_slowdown": 1.9,         # the engine with the draft over the one without, CPU (validate.json's speedup)
@@ -100,6 +102,8 @@ class Rates:
     kept_fraction: float          # kept / read records of the first ones read (held-out, duplicate, too long)
     train_step_s: float           # median DraftStep.step at train.max_tokens_per_batch tokens, s
     probe_s: float = 0.0          # the probe's own wall time, s
+    engine_start_s: float = 0.0   # a fresh process's start to a loaded engine (interpreter, imports, load), s;
+                                  # what each validation engine pays. 0 (older plans, stated rates): 2 x load
     machine: dict = field(default_factory=dict)
 
     @classmethod
@@ -176,11 +180,16 @@ def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
     dtype = resolve_dtype(vc.dtype or v.dtype, v.device)
     check = 0.0 in vc.temperatures and resolve_dtype(vc.greedy_check_dtype or dtype, v.device) != dtype
     gen = vc.max_prompts * vc.max_new_tokens / (rates.val_decode_tok_s * o["val_decode_efficiency"])
-    engine = 2 * load + o["engine_actor_s"]
+    engine = (rates.engine_start_s or 2 * load) + o["engine_actor_s"]
     drafts = 1 + len(vc.reference_drafts)  # each draft's engine decodes at every temperature; so does the baseline
-    pair = 2 * engine + gen * (1 + o["spec_slowdown"])  # one engine with the draft, one without, at one temperature
-    validate = o["validate_fixed_s"] + (drafts + 1) * engine + len(vc.temperatures) * gen * (
-        1 + drafts * o["spec_slowdown"]) + (pair if check else 0.0)
+    from .validate import engines_at_once
+
+    engines = drafts + 1 + (2 if check else 0)  # started in groups of engines_at_once, in this order
+    at_once = engines_at_once(vc, v.device)
+    groups = [min(at_once, engines - i) for i in range(0, engines, at_once)]
+    starts = sum(engine * (1 + o["engines_together"] * (g - 1)) for g in groups)
+    validate = o["validate_fixed_s"] + starts + len(vc.temperatures) * gen * (1 + drafts * o["spec_slowdown"]) + (
+        gen * (1 + o["spec_slowdown"]) if check else 0.0)  # the check pair decodes at T=0 only
     return {"prepare": prepare, "extract": extract, "vocab": o["vocab_s"], "train": train, "export": export,
             "check": 2.0, "validate": validate}
 
@@ -270,7 +279,8 @@ def stated_rates(cfg) -> Rates | None:
     given = cfg.run.plan_rates
     if not given:
         return None
-    need = [k for k in Rates.__dataclass_fields__ if k not in ("probe_s", "machine") and k not in given]
+    optional = ("probe_s", "machine", "engine_start_s")
+    need = [k for k in Rates.__dataclass_fields__ if k not in optional and k not in given]
     if need:
         raise ValueError(f"run.plan_rates lacks {', '.join(need)} (see eagle3ray.plan.Rates; docs/plan.md)")
     return Rates.from_dict({**given, "probe_s": 0.0, "machine": {"cpu_model": "stated (run.plan_rates)"}})
@@ -294,7 +304,9 @@ def _probe_here(cfg) -> Rates:
     tok = AutoTokenizer.from_pretrained(spec.model_path)
     small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_samples": 64})})
     rejected = RejectCounter()
+    t_records = time.time()
     recs = collect_records(small, rejected, tok)
+    t_records = time.time() - t_records  # reading the prompt sources: not part of an engine's start
     if not recs:
         raise RuntimeError("no training records to probe with (data.train)")
     prompts = []
@@ -314,6 +326,11 @@ def _probe_here(cfg) -> Rates:
                         gpu_memory_utilization=v.gpu_memory_utilization, tensor_parallel_size=v.tensor_parallel_size,
                         device=v.device, cpu_threads=v.cpu_threads)
     load = time.time() - t
+    import psutil
+
+    # what a validation engine's fresh process pays: interpreter start, imports (torch, vLLM), the load; this
+    # process also read the prompt sources first (not an engine's cost), so that part is left out
+    engine_start = time.time() - psutil.Process().create_time() - t_records
 
     def gen(ps, n_tokens):
         sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
@@ -340,8 +357,8 @@ def _probe_here(cfg) -> Rates:
     step_s = _probe_train_step(cfg, spec, float(sum(map(len, prompts)) / len(prompts)))
     log.warning("probe: records %.1f s, engine %.1f s (load %.1f), train step %.1f s", t - t0, t_engine, load,
                 time.time() - t - t_engine)
-    return Rates(engine_load_s=load, prefill_tok_s=prefill, decode_tok_s=dec, decode_batch=batch,
-                 val_decode_tok_s=vdec, val_batch=vbatch,
+    return Rates(engine_load_s=load, engine_start_s=engine_start, prefill_tok_s=prefill, decode_tok_s=dec,
+                 decode_batch=batch, val_decode_tok_s=vdec, val_batch=vbatch,
                  prompt_tokens_mean=float(sum(map(len, prompts)) / len(prompts)),
                  kept_fraction=len(recs) / max(1, read), train_step_s=step_s, probe_s=time.time() - t0,
                  machine={"cpu_model": _cpu_model(), "amx_bf16": cpu_bf16_is_fast(), "dtype": v.dtype,

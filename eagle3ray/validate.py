@@ -244,8 +244,17 @@ def _settings(vc) -> dict:
     """The validation settings a stored report must match to be reused (the gate is applied to any report)."""
     d = json.loads(vc.model_dump_json())
     d.pop("min_acceptance_length", None)
+    d.pop("engines_at_once", None)  # how engines start, not what they measure
     d["reference_drafts"] = [_reference_dir(p) for p in vc.reference_drafts]
     return d
+
+
+def engines_at_once(vc, device: str) -> int:
+    """How many validation engines start together (``validation.engines_at_once``; ``auto``: 2 on CPU, where an
+    engine's start is mostly single-threaded imports and loading (``engine_seconds`` in validate.json), 1 on GPU,
+    where each engine takes ``verifier.gpu_memory_utilization`` of the GPU)."""
+    n = vc.engines_at_once
+    return (2 if device == "cpu" else 1) if n == "auto" else int(n)
 
 
 def _gate(report: dict, vc) -> dict | None:
@@ -322,27 +331,52 @@ def validate(cfg, force: bool = False) -> ValidateReport:
                   device=v.device, cpu_threads=v.cpu_threads)
     k = vc.num_speculative_tokens
     sampler_fix: list[str] = []  # what vllm_cpu_fixes.apply() did in each speculative engine
+    engine_seconds: list[dict] = []  # per engine: start (actor + import + load), warm-up, decoding (s)
 
-    def decode(draft: str | None, dt: str, ts: list[float]) -> list[dict]:
-        """One engine (with ``draft`` or none) at compute dtype dt: its generate() result at each temperature,
-        with the spec-decode counters of that call (``counters``) for a draft engine."""
-        eng = Engine.remote(spec.model_path, draft_dir=draft, dtype=dt, num_speculative_tokens=k, **common)
+    def label(draft: str | None, dt: str) -> str:
+        return f"{'draft ' + draft if draft else 'verifier alone'}, {dt}"
 
-        def get(ref, what: str):
-            """ray.get with validation.call_timeout_s; a call past it kills the engine and names the call."""
-            try:
-                return ray.get(ref, timeout=vc.call_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                ray.kill(eng)
-                raise TimeoutError(f"validate: {what} ({'draft ' + draft if draft else 'verifier alone'}, {dt}) gave "
-                                   f"no answer in {vc.call_timeout_s:.0f} s (validation.call_timeout_s): the engine "
-                                   "was killed") from None
+    def get(eng, ref, what: str, lab: str):
+        """ray.get with validation.call_timeout_s; a call past it kills the engine and names the call."""
+        try:
+            return ray.get(ref, timeout=vc.call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(eng)
+            raise TimeoutError(f"validate: {what} ({lab}) gave no answer in {vc.call_timeout_s:.0f} s "
+                               "(validation.call_timeout_s): the engine was killed") from None
 
-        get(eng.__ray_ready__.remote(), "the engine's load")
+    def decode_group(jobs: list[tuple[str | None, str, list[float]]]) -> list[list[dict]]:
+        """Engines for ``jobs`` ((draft or None, compute dtype, temperatures) each) started together, so that
+        their loads overlap; then each decodes alone, one after the other (no engine loads or decodes while
+        another one's speed is timed). Returns, per job, its generate() result at each temperature, with the
+        spec-decode counters of that call (``counters``) for a draft engine."""
+        t0 = time.time()
+        engs = [Engine.remote(spec.model_path, draft_dir=d, dtype=dt, num_speculative_tokens=k, **common)
+                for d, dt, _ in jobs]
+        try:
+            started = [0.0] * len(jobs)
+            pending = {e.__ray_ready__.remote(): i for i, e in enumerate(engs)}
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=vc.call_timeout_s)
+                if not done:
+                    i = next(iter(pending.values()))
+                    raise TimeoutError(f"validate: the engine's load ({label(*jobs[i][:2])}) gave no answer in "
+                                       f"{vc.call_timeout_s:.0f} s (validation.call_timeout_s): the engine was killed")
+                i = pending.pop(done[0])
+                ray.get(done[0])  # an engine that failed to load raises here
+                started[i] = round(time.time() - t0, 2)
+            return [decode(eng, *job, started[i], len(jobs)) for i, (eng, job) in enumerate(zip(engs, jobs))]
+        finally:
+            for e in engs:
+                ray.kill(e)
+
+    def decode(eng, draft: str | None, dt: str, ts: list[float], start_s: float, together: int) -> list[dict]:
+        lab = label(draft, dt)
+        times = {"draft": draft is not None, "dtype": dt, "start_s": start_s, "started_together": together,
+                 "warmup_s": 0.0, "decode_s": 0.0}
         if draft:
-            fix = get(eng.cpu_fix_status.remote(), "the sampler-fix status")
+            fix = get(eng, eng.cpu_fix_status.remote(), "the sampler-fix status", lab)
             if max(ts) > 0 and fix.startswith("failed"):
-                ray.kill(eng)
                 raise RuntimeError(
                     f"validation.temperatures={ts}: vLLM's CPU rejection sampler expands the per-token temperature "
                     f"into memory it then drops (vLLM #55005), and eagle3ray's fix could not be applied ({fix}); "
@@ -353,20 +387,27 @@ def validate(cfg, force: bool = False) -> ValidateReport:
         for t in ts:
             # a short warm-up at this temperature first: the first sampling call of a process pays one-time costs
             # (a T > 0 draft engine's first call was 2.3x slower than the next engine's, docs/validation.md)
-            get(eng.generate.remote(prompts[:2], 4, t), f"the warm-up at T={t}")
-            before = get(eng.spec_counters.remote(), "the counters") if draft else None
-            g = get(eng.generate.remote(prompts, vc.max_new_tokens, t), f"decoding {len(prompts)} prompts at T={t}")
+            tw = time.time()
+            get(eng, eng.generate.remote(prompts[:2], 4, t), f"the warm-up at T={t}", lab)
+            times["warmup_s"] += round(time.time() - tw, 2)
+            tw = time.time()
+            before = get(eng, eng.spec_counters.remote(), "the counters", lab) if draft else None
+            g = get(eng, eng.generate.remote(prompts, vc.max_new_tokens, t),
+                    f"decoding {len(prompts)} prompts at T={t}", lab)
             if draft:
-                g["counters"] = counters_delta(get(eng.spec_counters.remote(), "the counters"), before)
+                g["counters"] = counters_delta(get(eng, eng.spec_counters.remote(), "the counters", lab), before)
                 summed = histogram_counters(g["accept_histograms"], k)
                 if (summed["drafts"], summed["accepted"]) != (g["counters"]["drafts"], g["counters"]["accepted"]):
-                    ray.kill(eng)
                     raise RuntimeError(
                         f"vLLM's per-request acceptance ({summed['drafts']} drafts, {summed['accepted']} accepted) "
                         f"does not add up to its counters ({g['counters']['drafts']}, {g['counters']['accepted']}) "
                         f"at T={t}: acceptance by category would be wrong")
+            times["decode_s"] += round(time.time() - tw, 2)
             out.append(g)
-        ray.kill(eng)
+        ray.kill(eng)  # frees its memory before the next engine decodes
+        engine_seconds.append(times)
+        log.info("validate: engine %s: started in %.1f s (%d together), warm-up %.1f s, decoding %.1f s", lab,
+                 start_s, together, times["warmup_s"], times["decode_s"])
         return out
 
     def figures(spec_out: dict, base_out: dict, t: float) -> dict:
@@ -386,9 +427,12 @@ def validate(cfg, force: bool = False) -> ValidateReport:
                 "seconds_spec": spec_out["seconds"], "seconds_baseline": base_out["seconds"], "_diffs": diffs}
 
     t_start = time.time()
-    with_draft = decode(draft_dir, dtype, temps)
-    with_refs = [decode(r, dtype, temps) for r in refs]
-    without = decode(None, dtype, temps)
+    jobs = [(draft_dir, dtype, temps), *[(r, dtype, temps) for r in refs], (None, dtype, temps)]
+    if wants_check:
+        jobs += [(draft_dir, check_dtype, [0.0]), (None, check_dtype, [0.0])]
+    at_once = engines_at_once(vc, v.device)
+    results = [r for g in range(0, len(jobs), at_once) for r in decode_group(jobs[g:g + at_once])]
+    with_draft, with_refs, without = results[0], results[1:1 + len(refs)], results[1 + len(refs)]
     per_t = [figures(w, b, t) for w, b, t in zip(with_draft, without, temps)]
     ref_reports = [{"path": r, "label": _reference_label(r),
                     "temperatures": [{kk: vv for kk, vv in figures(w, b, t).items() if kk != "_diffs"}
@@ -401,8 +445,7 @@ def validate(cfg, force: bool = False) -> ValidateReport:
         i0 = temps.index(0.0)
         diffs, shown_with, shown_without = greedy["_diffs"], with_draft[i0], without[i0]
     if wants_check:
-        c_with, = decode(draft_dir, check_dtype, [0.0])
-        c_without, = decode(None, check_dtype, [0.0])
+        (c_with,), (c_without,) = results[-2:]
         c = figures(c_with, c_without, 0.0)
         check = {"dtype": check_dtype, "mean_acceptance_length": c["mean_acceptance_length"],
                  "acceptance_per_position": c["acceptance_per_position"],
@@ -435,6 +478,7 @@ def validate(cfg, force: bool = False) -> ValidateReport:
         "vllm_cpu_expand_fix": sampler_fix[0],
         "max_new_tokens": vc.max_new_tokens,
         "max_num_seqs": vc.max_num_seqs, "settings": settings, "wall_seconds": time.time() - t_start,
+        "engine_seconds": engine_seconds,
         "created_at": time.time(),
     }
     report["gate"] = _gate(report, vc)

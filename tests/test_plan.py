@@ -181,3 +181,34 @@ def test_another_budget_on_a_planned_run_is_refused_until_replanned(tmp_path, mo
         P.planned_config(longer)
     assert P.planned_config(longer, replan=True).data.max_samples > P.planned_config(
         cfg_for(tmp_path / "other")).data.max_samples
+
+
+def test_validate_estimate_starts_engines_in_groups_from_the_fresh_process_start(tmp_path):
+    """Validation's engines each pay a fresh process's start (the probe's ``engine_start_s``); on CPU two start
+    together (``validation.engines_at_once: auto``), on GPU one at a time; the greedy-check pair at another dtype
+    adds a group and decodes at T=0 only. Without ``engine_start_s`` (older plans, stated rates): 2 x the load."""
+    import dataclasses
+
+    o = P.OVERHEADS
+    rates = dataclasses.replace(RATES, engine_start_s=20.0)
+    cfg = cfg_for(tmp_path, "verifier.dtype=float32")
+    gen = cfg.validation.max_prompts * cfg.validation.max_new_tokens / (
+        rates.val_decode_tok_s * o["val_decode_efficiency"])
+    decode = gen * (1 + o["spec_slowdown"])
+    one = 20.0 + o["engine_actor_s"]
+    val = P.estimate(cfg, rates, 100, 100)["validate"]
+    assert val == pytest.approx(o["validate_fixed_s"] + one * (1 + o["engines_together"]) + decode)
+    # one at a time: the two starts add
+    seq = P.estimate(cfg_for(tmp_path, "verifier.dtype=float32", "validation.engines_at_once=1"), rates, 100, 100)
+    assert seq["validate"] == pytest.approx(o["validate_fixed_s"] + 2 * one + decode)
+    assert seq["validate"] > val
+    # a greedy check at another dtype: a second group of two, decoding once more at T=0
+    chk = P.estimate(cfg_for(tmp_path, "verifier.dtype=bfloat16", "validation.greedy_check_dtype=float32"),
+                     rates, 100, 100)
+    assert chk["validate"] == pytest.approx(o["validate_fixed_s"] + 2 * one * (1 + o["engines_together"]) + 2 * decode)
+    # no fresh-process figure: twice the in-process load, as before the field existed
+    old = P.estimate(cfg, RATES, 100, 100)["validate"]
+    assert old == pytest.approx(o["validate_fixed_s"] + (2 * RATES.engine_load_s + o["engine_actor_s"])
+                                * (1 + o["engines_together"]) + decode)
+    # stated rates need not give it
+    assert P.Rates.from_dict({**dataclasses.asdict(RATES)}).engine_start_s == 0.0

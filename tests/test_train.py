@@ -245,13 +245,21 @@ def test_check_resolves_nested_text_config(trained, tmp_path, tiny_verifier):
     assert rep.ok, rep.render()
 
 
-def test_run_after_interruption_skips_finished_stages_and_validates(trained):
-    """The fixture ran prepare..train (as if `run` was interrupted after train); `run` resumes from there."""
+def test_run_after_interruption_skips_finished_stages_and_validates(trained, monkeypatch):
+    """The fixture ran prepare..train (as if `run` was interrupted after train); `run` resumes from there. As a
+    run on a local cluster of its own, it stops the verifier service once extract is behind it; validation's
+    engines start two at a time (CPU), the greedy-check pair after the first pair."""
     from typer.testing import CliRunner
 
+    from eagle3ray import machine
     from eagle3ray.cli import app
+    from eagle3ray.verifier import VerifierSpec
+    from eagle3ray.verifier_service import app_name, running_verifiers, start_for_config
 
     cfg, _, _, cfg_path = trained
+    start_for_config(cfg)  # as the extract stage left it (running, whether or not an earlier test stopped it)
+    assert app_name(VerifierSpec.from_config(cfg)) in running_verifiers()
+    monkeypatch.setattr(machine, "STARTED_LOCAL_CLUSTER", True)  # the session's cluster stands in for the run's own
     # acceptance and speed in bf16, the greedy-identity check on a second pair of engines in fp32
     r = CliRunner().invoke(app, ["run", "-c", cfg_path, "validation.max_prompts=4", "validation.max_new_tokens=16",
                                  "validation.max_num_seqs=4", "validation.dtype=bfloat16",
@@ -272,6 +280,11 @@ def test_run_after_interruption_skips_finished_stages_and_validates(trained):
     assert rep["greedy_check"]["dtype"] == "float32" and rep["greedy_check"]["mean_acceptance_length"] >= 1.0
     assert rep["greedy_identical_at_dtype"].endswith("/4")
     assert "greedy outputs identical (float32)" in out
+    assert app_name(VerifierSpec.from_config(cfg)) not in running_verifiers()
+    eng = rep["engine_seconds"]
+    assert [(e["draft"], e["dtype"], e["started_together"]) for e in eng] == [
+        (True, "bfloat16", 2), (False, "bfloat16", 2), (True, "float32", 2), (False, "float32", 2)]
+    assert all(e["start_s"] > 0 and e["decode_s"] > 0 for e in eng)
     with paths.fs.open(f"{paths.sub('reports')}/validate.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

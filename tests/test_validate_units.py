@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3ray.config import SourceSpec, load_config
+from eagle3ray.config import ConfigError, SourceSpec, load_config
 from eagle3ray.serving_engine import acceptance, counters_delta, histogram_counters
 from eagle3ray.sources import first_turn_prompts
 from eagle3ray.validate import ValidateReport, by_category, plot_report
@@ -120,3 +120,17 @@ def test_old_temperature_key_is_read_as_a_list(tmp_path):
         load_config(None, ["validation.temperatures=[]"])
     with pytest.raises(ConfigError):
         load_config(None, ["validation.min_acceptance_length=0.5"])
+
+
+def test_engines_at_once_auto_is_two_on_cpu_and_one_on_gpu_and_does_not_invalidate_a_report():
+    from eagle3ray.validate import _settings, engines_at_once
+
+    cfg = load_config(None, [])
+    assert cfg.validation.engines_at_once == "auto"
+    assert engines_at_once(cfg.validation, "cpu") == 2 and engines_at_once(cfg.validation, "cuda") == 1
+    three = load_config(None, ["validation.engines_at_once=3"]).validation
+    assert engines_at_once(three, "cuda") == 3
+    with pytest.raises(ConfigError, match="engines_at_once"):
+        load_config(None, ["validation.engines_at_once=0"])
+    # how the engines start is not what they measure: a stored report stays valid
+    assert _settings(three) == _settings(cfg.validation) and "engines_at_once" not in _settings(three)
