@@ -485,6 +485,10 @@ class ValidateSection(_Strict):
         3600.0, gt=0, description="Seconds one validation engine call (an engine's load, or decoding every prompt "
         "at one temperature) may take; past it the stage stops naming the call, the engine is killed (a hung engine "
         "would otherwise block the stage forever without a log line).")
+    cpu_kv_cache_gib: float | None = Field(
+        None, gt=0, description="KV cache (GiB) of each validation engine on CPU; null = verifier.cpu_kv_cache_gib "
+        "(sized for regeneration's batch). Validation's batch needs less (40 prompts x ~450 tokens: ~0.8 GiB for "
+        "SmolLM2 in fp32), and a smaller cache starts faster where memory is short (docs/results.md).")
     engines_at_once: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="Validation engines started together, so that their loads overlap; each then decodes "
         "alone (no engine loads or decodes while another one's speed is timed). auto = 2 on CPU (an engine's start "

@@ -245,6 +245,7 @@ def _settings(vc) -> dict:
     d = json.loads(vc.model_dump_json())
     d.pop("min_acceptance_length", None)
     d.pop("engines_at_once", None)  # how engines start, not what they measure
+    d.pop("cpu_kv_cache_gib", None)
     d["reference_drafts"] = [_reference_dir(p) for p in vc.reference_drafts]
     return d
 
@@ -326,7 +327,7 @@ def validate(cfg, force: bool = False) -> ValidateReport:
 
     Engine = ray.remote(**engine_actor_options(v))(ServingEngine)
     common = dict(max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
-                  max_num_seqs=vc.max_num_seqs, cpu_kv_cache_gib=v.cpu_kv_cache_gib, seed=v.seed,
+                  max_num_seqs=vc.max_num_seqs, cpu_kv_cache_gib=vc.cpu_kv_cache_gib or v.cpu_kv_cache_gib, seed=v.seed,
                   gpu_memory_utilization=v.gpu_memory_utilization, tensor_parallel_size=v.tensor_parallel_size,
                   device=v.device, cpu_threads=v.cpu_threads)
     k = vc.num_speculative_tokens
