@@ -50,7 +50,8 @@ OVERHEADS = {
                                   # for their longest answer; longer contexts than the probe's)
     "answer_fill": 1.0,           # regenerated answer length over data.max_new_tokens (ShareGPT answers fill it)
     "extract_fixed_s": 12.0,      # Serve application and Ray Data pipeline start (+ engine load)
-    "extract_efficiency": 0.82,   # extraction tokens/s over the probe's plain prefill tokens/s
+    "extract_efficiency": 0.63,   # extraction tokens/s over the probe's plain prefill tokens/s: refitted on four
+                                  # whole runs of 2026-12-03 (0.55-0.68; 0.82 had them at 1.18-1.41x; docs/plan.md)
     "vocab_s": 3.0,
     "train_fixed_s": 45.0,        # Ray Train worker group start, block verification, final checkpoint
     "train_overhead": 1.77,       # a Ray Train step over the probe's plain DraftStep.step: the worker also waits
