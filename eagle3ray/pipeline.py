@@ -246,8 +246,8 @@ def release_local_verifier(cfg) -> bool:
     (:data:`eagle3ray.machine.STARTED_LOCAL_CLUSTER`: ``ray.address`` unset, no ``RAY_ADDRESS``): that cluster,
     and the service with it, ends with the command, so nothing later could reuse it, and while its engine stays
     resident validation's engines start 2-4x slower on a 24 GiB machine (vLLM's ``init engine`` 25-58 s against
-    1-5 s; docs/results.md, "The verifier service stopped before validation"). On a cluster given by address (a
-    Ray Job, a pinned service) the service stays up for later jobs. Returns True when a service was stopped."""
+    1-5 s; docs/results.md, "validation without the verifier service beside it"). On a cluster given by address
+    (a Ray Job, a pinned service) the service stays up for later jobs. Returns True when a service was stopped."""
     import ray
 
     from . import machine
