@@ -281,7 +281,7 @@ def steps_alone(cfg, unit_tokens: int, raw_bpt: int, rounds: int) -> dict:
         t = time.process_time()
         storage.write_bytes_atomic(paths.fs, f"{paths.root}/steps/part-{r}.parquet", buf)
         out["write"].append(time.process_time() - t)
-        man = blocks.Manifest(paths.fs, f"{paths.root}/steps/hs", blocks.new_manifest(
+        man = blocks.Manifest(paths.fs, f"{paths.root}/steps/hs-{r}", blocks.new_manifest(
             {"config_hash": "c"}, spec.layer_ids, "bfloat16", {"sha256": "s", "samples": 1}))
         man.data["rejected"] = {"prepare": {}, "extract": {}}
         t = time.process_time()

@@ -199,9 +199,19 @@ def from_storage_bytes(buf: bytes, shape, storage_dtype: str):
     return np.frombuffer(buf, dtype=np.dtype(storage_dtype)).astype(np.float32).reshape(shape)
 
 
-def build_block(samples: list[dict], results: list[dict], storage_dtype: str) -> pa.Table:
-    """Rows for one block. ``samples``: {sample_id, input_ids, loss_mask}; ``results``: engine output."""
-    rows = {k: [] for k in BLOCK_SCHEMA.names}
+def build_block(samples: list[dict], results: list[dict], storage_dtype: str,
+                scratch: "BlockScratch | None" = None) -> pa.Table:
+    """Rows for one block. ``samples``: {sample_id, input_ids, loss_mask}; ``results``: engine output (its
+    ``hidden_states``: bytes, or the flat uint8 array of :func:`to_storage_array`).
+
+    The states column is one contiguous buffer (each row's bytes copied into it once): a fresh one, or with
+    ``scratch`` the writer's reused buffer, whose table must then be consumed before that scratch's next block.
+
+    Raises:
+        ValueError: a result paired with the wrong sample.
+    """
+    rows = {k: [] for k in BLOCK_SCHEMA.names if k != "hidden_states"}
+    states = []
     for s, r in zip(samples, results, strict=True):
         if s["sample_id"] != r["sample_id"]:
             raise ValueError(f"block assembly: result for {r['sample_id']} paired with {s['sample_id']}")
@@ -209,13 +219,68 @@ def build_block(samples: list[dict], results: list[dict], storage_dtype: str) ->
         rows["sample_id"].append(s["sample_id"])
         rows["input_ids"].append(list(map(int, s["input_ids"])))
         rows["loss_mask"].append(list(map(int, s["loss_mask"])))
-        hs = r["hidden_states"]  # bytes, or the uint8 array of to_storage_array (copied once, into the table)
-        rows["hidden_states"].append(memoryview(hs) if isinstance(hs, np.ndarray) else hs)
+        hs = r["hidden_states"]
+        states.append(hs if isinstance(hs, np.ndarray) else np.frombuffer(hs, dtype=np.uint8))
         rows["seq_len"].append(T)
         rows["num_layers"].append(L)
         rows["hidden_size"].append(H)
         rows["hs_dtype"].append(storage_dtype)
-    return pa.table(rows, schema=BLOCK_SCHEMA)
+    offsets = np.zeros(len(states) + 1, dtype=np.int64)
+    np.cumsum([x.nbytes for x in states], out=offsets[1:])
+    data = (scratch or BlockScratch()).buffer("states", int(offsets[-1]))
+    flat = np.frombuffer(data, dtype=np.uint8, count=int(offsets[-1]))
+    for k, x in enumerate(states):
+        flat[offsets[k]:offsets[k + 1]] = x.reshape(-1).view(np.uint8)
+    rows["hidden_states"] = pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), len(states), [None, pa.py_buffer(offsets), data.slice(0, int(offsets[-1]))])
+    return pa.table({k: rows[k] for k in BLOCK_SCHEMA.names}, schema=BLOCK_SCHEMA)
+
+
+class BlockScratch:
+    """The buffers a block writer reuses from one block to the next: the states column's bytes
+    (:func:`build_block`) and the block file's bytes (:func:`write_block`).
+
+    Why: a unit's block is hundreds of MB at real state shapes (8,192 tokens x 32 KiB = 268 MB at Llama-3.1-8B in
+    bf16), and a fresh buffer of that size is fresh pages the kernel must fault in and zero on every block; the
+    Parquet bytes also grew by doubling (each growth a copy) and were then copied once more into a ``bytes``.
+    Reused, the writer's CPU per GB falls (``benchmarks/data_plane.py``, docs/results.md); the price is that a
+    writer keeps about twice its largest unit's block in memory between blocks.
+
+    One block at a time: :meth:`hold` lends the buffers to one caller; a second caller meanwhile (a replica
+    serving two requests at once) gets fresh buffers instead of waiting.
+    """
+
+    #: A buffer that must grow grows to this many times the size asked for, so units of varying size settle.
+    GROWTH = 1.25
+
+    def __init__(self):
+        import threading
+
+        self._buffers: dict[str, pa.ResizableBuffer] = {}
+        self._lock = threading.Lock()
+
+    def buffer(self, name: str, nbytes: int) -> pa.Buffer:
+        """A mutable buffer of at least ``nbytes`` bytes (its contents undefined), reused under ``name``."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.size < nbytes:
+            buf = self._buffers[name] = pa.allocate_buffer(max(int(nbytes * self.GROWTH), 1), resizable=True)
+        return buf
+
+    def hold(self):
+        """Context manager: this scratch while no other caller holds it, else a fresh one."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def _held():
+            if self._lock.acquire(blocking=False):
+                try:
+                    yield self
+                finally:
+                    self._lock.release()
+            else:
+                yield BlockScratch()
+
+        return _held()
 
 
 #: Parquet options of a block: no dictionary and no min/max statistics on the list and binary columns, which
@@ -226,20 +291,45 @@ BLOCK_PARQUET_OPTIONS = {"use_dictionary": ["sample_id", "hs_dtype"],
                          "write_statistics": ["sample_id", "seq_len", "num_layers", "hidden_size", "hs_dtype"]}
 
 
-def write_block(fs, path: str, table: pa.Table, compression: str) -> dict:
-    """Write a block atomically; returns its manifest entry fields (bytes, sha256, rows, tokens)."""
-    buf = storage.parquet_bytes(table, compression, **BLOCK_PARQUET_OPTIONS)
-    storage.write_bytes_atomic(fs, path, buf)
-    return {"bytes": len(buf), "sha256": hashlib.sha256(buf).hexdigest(), "rows": table.num_rows,
+def write_block(fs, path: str, table: pa.Table, compression: str, scratch: BlockScratch | None = None) -> dict:
+    """Write a block atomically; returns its manifest entry fields (bytes, sha256, rows, tokens). With
+    ``scratch``, the file's bytes are built in its reused buffer (:class:`BlockScratch`)."""
+    data = storage.parquet_view(table, compression, (scratch or BlockScratch()).buffer(
+        "file", storage.parquet_size_bound(table)), **BLOCK_PARQUET_OPTIONS)
+    digest = _Sha256InBackground(data)  # hashing (no GIL) overlaps the write and its fsync wait
+    storage.write_bytes_atomic(fs, path, data)
+    return {"bytes": len(data), "sha256": digest.hexdigest(), "rows": table.num_rows,
             "tokens": int(pa.compute.sum(table["seq_len"]).as_py() or 0)}
 
 
+class _Sha256InBackground:
+    """sha256 of ``data`` computed in a thread (hashlib releases the GIL), read with :meth:`hexdigest`: a block's
+    checksum costs about as much CPU as its write (~0.5-0.7 CPU s per GB here, ``benchmarks/data_plane.py``), and
+    the write mostly waits (page cache copy, fsync), so the two overlap instead of adding up."""
+
+    def __init__(self, data):
+        import threading
+
+        self._hex: str | None = None
+        self._thread = threading.Thread(target=self._run, args=(data,), daemon=True, name="block-sha256")
+        self._thread.start()
+
+    def _run(self, data) -> None:
+        self._hex = hashlib.sha256(data).hexdigest()
+
+    def hexdigest(self) -> str:
+        self._thread.join()
+        assert self._hex is not None, "the sha256 thread failed"
+        return self._hex
+
+
 def write_unit_block(fs, hs_root: str, samples: list[dict], results: list[dict], storage_dtype: str,
-                     compression: str) -> dict:
+                     compression: str, scratch: BlockScratch | None = None) -> dict:
     """Build and write one unit's block under ``<hs_root>/blocks/`` (a fresh uuid name, not yet committed).
 
     Used where the block is written: the Ray Data writer actor (``extract.block_writer: data_actor``) or the
-    verifier replica itself (``replica``). Returns the manifest entry fields (path relative to ``hs_root``, rows,
+    verifier replica itself (``replica``), each passing its own ``scratch`` (:class:`BlockScratch`) so that a
+    block's buffers are reused for the next. Returns the manifest entry fields (path relative to ``hs_root``, rows,
     tokens, bytes, sha256) plus ``sample_ids`` (block order).
 
     Raises:
@@ -247,9 +337,11 @@ def write_unit_block(fs, hs_root: str, samples: list[dict], results: list[dict],
     """
     import uuid
 
-    table = build_block(samples, results, storage_dtype)
-    rel = f"blocks/part-{uuid.uuid4().hex}.parquet"
-    entry = write_block(fs, f"{hs_root}/{rel}", table, compression)
+    with (scratch or BlockScratch()).hold() as held:
+        table = build_block(samples, results, storage_dtype, held)
+        rel = f"blocks/part-{uuid.uuid4().hex}.parquet"
+        entry = write_block(fs, f"{hs_root}/{rel}", table, compression, held)
+        del table  # it points into held's buffer: gone before the next block may refill it
     return {"path": rel, **entry, "sample_ids": [s["sample_id"] for s in samples]}
 
 

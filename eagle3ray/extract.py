@@ -203,6 +203,7 @@ class BlockWriter:
         self.block_writer = block_writer
         self.unit_timeout_s = unit_timeout_s
         self.wait_s = unit_timeout_s * (queue_depth + 1)
+        self.scratch = blocks.BlockScratch()  # this writer's block buffers, reused block after block
 
     @functools.cached_property
     def handle(self):
@@ -283,7 +284,7 @@ class BlockWriter:
         """The row of one answered unit (``got``: the states, or the replica's block entry): its block written
         here unless the replica wrote it."""
         entry = got if self.block_writer == "replica" else blocks.write_unit_block(
-            self.fs, self.hs_root, samples, got, self.storage_dtype, self.compression)
+            self.fs, self.hs_root, samples, got, self.storage_dtype, self.compression, self.scratch)
         return {**{k: entry[k] for k in ROW_COLUMNS[:6]}, "seconds": time.time() - t0, "retries": retries,
                 "crashed": False}
 

@@ -80,7 +80,7 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _publish_local(path: str, data: bytes, publish) -> bool:
+def _publish_local(path: str, data: bytes | memoryview, publish) -> bool:
     """Write ``data`` to an fsynced temp file beside ``path``, then ``publish(tmp, path)`` it (``os.replace``, or
     ``os.link`` for an exclusive create); the temp file never outlives the call, also when the write fails (ENOSPC).
     Returns False when ``publish`` found ``path`` existing (``FileExistsError``)."""
@@ -103,7 +103,7 @@ def _publish_local(path: str, data: bytes, publish) -> bool:
             pass
 
 
-def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path`` so that readers see the old content or the new one, never a part.
 
     Local disk: a temp file beside ``path``, fsynced, then renamed over it; the temp file is removed when the write
@@ -112,7 +112,7 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
     if is_local(fs):
         _publish_local(path, data, os.replace)
     else:
-        fs.pipe_file(path, data)
+        fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data)
 
 
 def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
@@ -253,9 +253,35 @@ def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any | None:
 def parquet_bytes(table: pa.Table, compression: str = "zstd", **options) -> bytes:
     """A Parquet file's bytes for ``table`` (``compression``: zstd, snappy or none; ``options``: more
     ``pyarrow.parquet.write_table`` arguments)."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression=None if compression == "none" else compression, **options)
-    return sink.getvalue().to_pybytes()
+    return bytes(parquet_view(table, compression, **options))
+
+
+def parquet_size_bound(table: pa.Table) -> int:
+    """An upper bound (bytes) of ``table``'s Parquet file in any of our compressions: its Arrow bytes, plus 1% for
+    a codec that cannot shrink the data (zstd then stores raw blocks, 3 bytes per 128 KiB) and page headers, plus
+    1 MiB for the footer and the levels of list columns."""
+    return int(table.nbytes * 1.01) + (1 << 20)
+
+
+def parquet_view(table: pa.Table, compression: str = "zstd", into: pa.Buffer | None = None,
+                 **options) -> memoryview:
+    """:func:`parquet_bytes` without the copies: a memoryview of the file's bytes, written into ``into`` (a mutable
+    buffer, e.g. :meth:`eagle3ray.blocks.BlockScratch.buffer`; the view is valid until ``into`` is reused) or,
+    without it or when the file outgrows it, into a fresh Arrow buffer."""
+    codec = None if compression == "none" else compression
+    if into is not None:
+        sink = pa.FixedSizeBufferWriter(into)
+        try:
+            pq.write_table(table, sink, compression=codec, **options)
+            return memoryview(into)[:sink.tell()]
+        except OSError as e:  # "Write out of bounds": the bound was too small; write it the growing way
+            if "out of bounds" not in str(e):
+                raise
+        finally:
+            sink.close()
+    out = pa.BufferOutputStream()
+    pq.write_table(table, out, compression=codec, **options)
+    return memoryview(out.getvalue())
 
 
 def arrow_filesystem(fs: fsspec.AbstractFileSystem) -> pafs.FileSystem:

@@ -172,7 +172,9 @@ class VerifierDeployment:
         if getattr(self, "_fs_key", None) != key:
             self._fs, _ = storage.filesystem(storage_uri, endpoint_url)
             self._fs_key = key
-        return blocks.write_unit_block(self._fs, hs_root, samples, results, storage_dtype, compression)
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = blocks.BlockScratch()  # this replica's block buffers, reused block after block
+        return blocks.write_unit_block(self._fs, hs_root, samples, results, storage_dtype, compression, self._scratch)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  seed: int | None = None, timeout_s: float | None = None) -> list[dict]:
