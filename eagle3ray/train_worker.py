@@ -220,10 +220,54 @@ def build_optimizers(draft, tc: dict) -> list:
 
     from speculators.train.optimizers import build_optimizers as speculators_build
 
+    use_fp32_newton_schulz_on_slow_bf16_cpus()
     return speculators_build(draft, SimpleNamespace(
         optimizer="muon", lr=tc["lr"], weight_decay=tc["weight_decay"], muon_lr=tc.get("muon_lr") or tc["lr"],
         muon_momentum=tc["muon_momentum"], muon_weight_decay=tc["muon_weight_decay"], muon_ns_steps=5,
         muon_adjust_lr_fn="match_rms_adamw"))
+
+
+def use_fp32_newton_schulz_on_slow_bf16_cpus() -> None:
+    """Make ``torch.optim.Muon`` orthogonalize in float32 on CPUs where bfloat16 is slow (idempotent).
+
+    torch's ``_zeropower_via_newtonschulz`` (torch/optim/_muon.py, Keller Jordan's quintic iteration) always casts
+    the update to bfloat16. On a CPU without AMX-BF16 (:func:`eagle3ray.machine.cpu_bf16_is_fast` False) bf16
+    matmuls run on a slow path: on a 2-core AMD EPYC (no avx512, no amx_bf16) one call on the draft's fc
+    [576, 1728] took 3.6 s in bf16 and 0.14 s in float32, and a whole Muon step of the CPU config 25.3 s against
+    0.40 s with AdamW (``plan._probe_train_step``, docs/results.md). This wraps that function: a CPU tensor on
+    such a CPU takes the same iteration (same coefficients, steps, transpose and norm) in float32; every other
+    tensor (GPU, AMX CPUs) takes torch's own. The result differs from torch's only by bf16 rounding (a test
+    checks it). Wrapping is needed because torch's Muon has no option for the iteration's dtype.
+    """
+    import functools
+
+    from torch.optim import _muon
+
+    if getattr(_muon._zeropower_via_newtonschulz, "eagle3ray_fp32_on_cpu", False):
+        return
+    torch_ns = _muon._zeropower_via_newtonschulz
+    from .machine import cpu_bf16_is_fast
+
+    slow_bf16 = functools.cache(lambda: not cpu_bf16_is_fast())
+
+    def newton_schulz(grad, ns_coefficients, ns_steps, eps):
+        if grad.device.type != "cpu" or not slow_bf16() or grad.ndim != 2 or len(ns_coefficients) != 3:
+            return torch_ns(grad, ns_coefficients, ns_steps, eps)  # torch's, with its own checks
+        import torch
+
+        a, b, c = ns_coefficients
+        x = grad.float()  # shape: [m, n]; a copy (grad stays untouched), as torch's .bfloat16() is
+        if grad.size(0) > grad.size(1):
+            x = x.T
+        x = x / x.norm().clamp(min=eps)  # spectral norm <= 1
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if grad.size(0) > grad.size(1) else x
+
+    newton_schulz.eagle3ray_fp32_on_cpu = True
+    newton_schulz.torch_newton_schulz = torch_ns
+    _muon._zeropower_via_newtonschulz = newton_schulz
 
 
 def lr_lambda(warmup: int, total: int, floor: float):

@@ -479,3 +479,28 @@ def test_muon_steps_the_matrices_and_adamw_the_rest_and_a_checkpoint_resumes_bot
     assert old_format.optimizers[0].state_dict()["state"].keys() == adamw.optimizers[0].state_dict()["state"].keys()
     with pytest.raises(RuntimeError, match="holds 1 optimizer states, this config's train.optimizer builds 2"):
         WorkerCheckpoint.restore(ray.train.Checkpoint.from_directory(str(tmp_path)), again)
+
+
+def test_muon_orthogonalizes_in_float32_on_a_cpu_without_fast_bf16_and_matches_torchs_bf16_iteration(monkeypatch):
+    import torch
+    from torch.optim import _muon
+
+    from eagle3ray import machine, train_worker
+
+    current = _muon._zeropower_via_newtonschulz  # wrapped already when an earlier test built a Muon draft
+    torch_ns = getattr(current, "torch_newton_schulz", current)
+    monkeypatch.setattr(_muon, "_zeropower_via_newtonschulz", torch_ns)  # undone after the test
+    monkeypatch.setattr(machine, "cpu_bf16_is_fast", lambda *a: False)
+    train_worker.use_fp32_newton_schulz_on_slow_bf16_cpus()
+    train_worker.use_fp32_newton_schulz_on_slow_bf16_cpus()  # idempotent: wraps once
+    ns = _muon._zeropower_via_newtonschulz
+    assert ns is not torch_ns and ns.eagle3ray_fp32_on_cpu
+    torch.manual_seed(0)
+    for shape in [(48, 80), (80, 48)]:  # wide and tall (torch's transposes the tall one)
+        g = torch.randn(*shape)
+        ours, theirs = ns(g, (3.4445, -4.7750, 2.0315), 5, 1e-7), torch_ns(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert ours.dtype == torch.float32 and theirs.dtype == torch.bfloat16 and ours.shape == g.shape
+        assert (ours - theirs.float()).abs().max() < 0.05  # bf16 rounding only
+        assert (ours - theirs.float()).abs().max() > 0  # and it did run in float32, not through torch's
+    with pytest.raises(ValueError, match="2D"):
+        ns(torch.randn(2, 3, 4), (3.4445, -4.7750, 2.0315), 5, 1e-7)  # torch's own checks still apply
