@@ -270,6 +270,33 @@ def use_fp32_newton_schulz_on_slow_bf16_cpus() -> None:
     _muon._zeropower_via_newtonschulz = newton_schulz
 
 
+def separate_fused_loss_autotune_configs() -> None:
+    """Give each of speculators' fused-loss Triton kernels its own autotune config list (idempotent).
+
+    speculators 0.9.0 (speculators/losses/fused.py) decorates ``loss_forward_kernel`` and ``loss_backward_kernel``
+    with one ``triton.autotune(configs=...)`` object, so both kernels' ``Autotuner.configs`` are the same Python
+    list. On CUDA speculators ``torch.compile``s the draft's forward (``conditional_torch_compile``), and Dynamo
+    (torch 2.11 on an H200, benchmarks/gpu_draft_step.py, docs/results.md) refuses to trace the backward kernel:
+    ``AssertionError: ListVariable(length=21) is already tracked for mutation ... loss_backward_kernel.configs``.
+    A copy of the list per kernel holds the same configs, so autotuning and results are unchanged.
+
+    Raises:
+        RuntimeError: Triton is not importable (speculators' own message: fused losses need Triton).
+    """
+    try:
+        from speculators.losses import fused
+    except ImportError as e:
+        raise RuntimeError("train.loss_impl: fused needs Triton (speculators.losses.fused); use eager") from e
+    seen: set[int] = set()
+    for name in ("loss_forward_kernel", "loss_backward_kernel"):
+        kernel = getattr(fused, name, None)
+        configs = getattr(kernel, "configs", None)
+        if isinstance(configs, list):
+            if id(configs) in seen:
+                kernel.configs = list(configs)
+            seen.add(id(kernel.configs))
+
+
 def lr_lambda(warmup: int, total: int, floor: float):
     """LR multiplier per step: linear warm-up over ``warmup`` steps, then cosine decay to ``floor`` at ``total``."""
     def f(step: int) -> float:
@@ -341,6 +368,8 @@ class DraftStep:
         from speculators.losses import resolve_loss_config
         from speculators.train.data import CollateFn
 
+        if tc["loss_impl"] == "fused":
+            separate_fused_loss_autotune_configs()
         draft = build_draft(verifier_path, aux_layer_ids, d2t, t2d, tc)
         trainable = [p for p in draft.parameters() if p.requires_grad]
         opts = build_optimizers(draft, tc)

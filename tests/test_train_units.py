@@ -504,3 +504,18 @@ def test_muon_orthogonalizes_in_float32_on_a_cpu_without_fast_bf16_and_matches_t
         assert (ours - theirs.float()).abs().max() > 0  # and it did run in float32, not through torch's
     with pytest.raises(ValueError, match="2D"):
         ns(torch.randn(2, 3, 4), (3.4445, -4.7750, 2.0315), 5, 1e-7)  # torch's own checks still apply
+
+
+def test_the_fused_loss_kernels_get_their_own_autotune_config_lists_with_the_same_configs():
+    """speculators 0.9.0 shares one list between its fused loss's forward and backward kernels; torch.compile of
+    the draft's forward on CUDA then fails ("already tracked for mutation", H200 run in docs/results.md)."""
+    fused = pytest.importorskip("speculators.losses.fused")
+    from eagle3ray.train_worker import separate_fused_loss_autotune_configs
+
+    fwd, bwd = fused.loss_forward_kernel, fused.loss_backward_kernel
+    before = list(fwd.configs)
+    separate_fused_loss_autotune_configs()
+    separate_fused_loss_autotune_configs()  # idempotent
+    assert fwd.configs is not bwd.configs
+    assert [str(c) for c in fwd.configs] == [str(c) for c in bwd.configs] == [str(c) for c in before]
+    assert len(before) > 0
