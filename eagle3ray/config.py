@@ -187,7 +187,7 @@ class VerifierSection(_Strict):
         "auto",
         description="Compute dtype of every verifier engine (regeneration, extraction, validation). "
         "'auto' is resolved when the config loads, from the CPU of the process that loads it (the CLI or job "
-        "driver): bfloat16 on CUDA and on CPUs with AMX-BF16, float32 on other CPUs (where bf16 is much slower: "
+        "driver): bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, float32 on other CPUs (where bf16 is much slower: "
         "benchmarks/dtype.py). The run's config.resolved.yaml records it.",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per verifier replica (vLLM tensor parallelism; 1 on CPU).")
@@ -413,7 +413,7 @@ class TrainSection(_Strict):
     loss_impl: Literal["eager", "fused"] = Field("eager", description="'fused' is a Triton kernel (GPU only).")
     autocast: Literal["auto", "bfloat16", "off"] = Field(
         "auto", description="Mixed precision of the draft's forward (weights and optimizer stay fp32). "
-        "'auto': bf16 on CUDA (train.use_gpu) and on CPUs with AMX-BF16 (faster there: "
+        "'auto': bf16 on CUDA (train.use_gpu) and on CPUs with AMX-BF16 or AVX512-BF16 (faster there: "
         "benchmarks/train_step_cost.py), off on other CPUs. Resolved once by the train "
         "driver (from its own CPU), logged, and the same for every worker.")
     attn_impl: Literal["sdpa", "eager", "simple_flex_attention"] = Field(
@@ -561,7 +561,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
 def resolve(cfg: Config) -> Config:
     """The config as it runs on this machine: the one impure step (the schema itself is pure).
 
-    - ``verifier.dtype: auto`` -> bfloat16 on CUDA and on CPUs with AMX-BF16, float32 on other CPUs
+    - ``verifier.dtype: auto`` -> bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, float32 on other CPUs
       (:func:`eagle3ray.machine.resolve_dtype`, reading this process's CPU);
     - ``run.storage``: a relative ``file://`` root (or bare path) becomes absolute against the working
       directory, once, here: Ray workers run in other working directories.

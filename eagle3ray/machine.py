@@ -20,26 +20,38 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def cpu_bf16_is_fast(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has AMX-BF16 tiles (Intel Sapphire Rapids and later), where bf16 matmuls beat fp32.
-
-    On AVX2-only CPUs bf16 runs much slower than fp32; with AMX-BF16 it runs faster (measured by
-    ``benchmarks/dtype.py`` and ``benchmarks/train_step_cost.py``; figures in the documentation). CPUs with
-    AVX512-BF16 but no AMX were not measured, so they count as slow. Reads the ``flags`` line of ``cpuinfo``
-    (Linux) of the calling process's machine; False when it cannot be read.
-    """
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The ``flags`` of the first processor in ``cpuinfo`` (Linux); empty when it cannot be read."""
     try:
         with open(cpuinfo) as fh:
             for line in fh:
                 if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()
+
+
+#: CPU flags of the bf16 dot-product instructions that oneDNN's bf16 GEMMs (torch, vLLM's CPU backend) run on
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_bf16_is_fast(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AMX-BF16 tiles or AVX512-BF16), where bf16 beats fp32.
+
+    Measured (``benchmarks/dtype.py``, ``benchmarks/train_step_cost.py``; figures in docs/results.md): on AVX2-only
+    CPUs (among them an AMD EPYC, Zen 3) bf16 runs far slower than fp32; with AMX-BF16
+    (Xeon, Sapphire Rapids and later) vLLM's bf16 regeneration and extraction ran 2.9x fp32's; with AVX512-BF16 and
+    no AMX (AMD EPYC, family 25 model 17, Zen 4) 1.76x and 1.84x. CPUs with AVX-512 but no AVX512-BF16 were not
+    measured and count as slow. Reads the ``flags`` line
+    of ``cpuinfo`` (Linux) of the calling process's machine; False when it cannot be read.
+    """
+    return any(f in cpu_flags(cpuinfo) for f in BF16_FLAGS)
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """A concrete compute dtype for ``auto``: bfloat16 on CUDA and on CPUs with AMX-BF16, else float32.
+    """A concrete compute dtype for ``auto``: bfloat16 on CUDA and on CPUs with bf16 instructions
+    (:func:`cpu_bf16_is_fast`), else float32.
 
     Other values are returned unchanged. Raises nothing.
     """

@@ -295,7 +295,7 @@ def _probe_here(cfg) -> Rates:
     import torch
     from transformers import AutoTokenizer
 
-    from .machine import cpu_bf16_is_fast, resolve_autocast
+    from .machine import cpu_bf16_is_fast, cpu_flags, resolve_autocast
     from .prepare import RejectCounter, _prompt_ids, collect_records
     from .serving_engine import ServingEngine
     from .verifier import VerifierSpec
@@ -362,7 +362,8 @@ def _probe_here(cfg) -> Rates:
                  decode_batch=batch, val_decode_tok_s=vdec, val_batch=vbatch,
                  prompt_tokens_mean=float(sum(map(len, prompts)) / len(prompts)),
                  kept_fraction=len(recs) / max(1, read), train_step_s=step_s, probe_s=time.time() - t0,
-                 machine={"cpu_model": _cpu_model(), "amx_bf16": cpu_bf16_is_fast(), "dtype": v.dtype,
+                 machine={"cpu_model": _cpu_model(), "amx_bf16": "amx_bf16" in cpu_flags(),
+                          "avx512_bf16": "avx512_bf16" in cpu_flags(), "bf16_fast": cpu_bf16_is_fast(), "dtype": v.dtype,
                           "autocast": resolve_autocast(cfg.train.autocast, v.device), "torch_threads": torch.get_num_threads()})
 
 
@@ -479,8 +480,8 @@ def render(plan: dict, fresh: bool = True) -> str:
         "validate": "with and without the draft",
     }
     head = (f"plan for run.time_budget {plan['budget_s'] / 60:.0f} min ({'probed now' if fresh else 'from plan.json'}, "
-            f"probe {r.get('probe_s', 0):.0f} s; {m.get('cpu_model', '?')}, amx_bf16={m.get('amx_bf16')}, "
-            f"dtype {m.get('dtype')}; planned: {', '.join(plan['planned']) or 'nothing'})")
+            f"probe {r.get('probe_s', 0):.0f} s; {m.get('cpu_model', '?')}, amx_bf16={m.get('amx_bf16')}"
+            f"{', avx512_bf16=' + str(m['avx512_bf16']) if 'avx512_bf16' in m else ''}, dtype {m.get('dtype')}; planned: {', '.join(plan['planned']) or 'nothing'})")
     lines = [head] + [f"  {k:<9} {e[k] / 60:5.1f} min  {what.get(k, '')}" for k in e]
     lines.append(f"  {'total':<9} {plan['total_s'] / 60:5.1f} min" + ("" if plan["fits"] else
                  "  (over the budget even at the smallest size: raise run.time_budget)"))

@@ -231,12 +231,12 @@ def use_fp32_newton_schulz_on_slow_bf16_cpus() -> None:
     """Make ``torch.optim.Muon`` orthogonalize in float32 on CPUs where bfloat16 is slow (idempotent).
 
     torch's ``_zeropower_via_newtonschulz`` (torch/optim/_muon.py, Keller Jordan's quintic iteration) always casts
-    the update to bfloat16. On a CPU without AMX-BF16 (:func:`eagle3ray.machine.cpu_bf16_is_fast` False) bf16
+    the update to bfloat16. On a CPU without bf16 instructions (:func:`eagle3ray.machine.cpu_bf16_is_fast` False) bf16
     matmuls run on a slow path: on a 2-core AMD EPYC (no avx512, no amx_bf16) one call on the draft's fc
     [576, 1728] took 3.6 s in bf16 and 0.14 s in float32, and a whole Muon step of the CPU config 25.3 s against
     0.40 s with AdamW (``plan._probe_train_step``, docs/results.md). This wraps that function: a CPU tensor on
     such a CPU takes the same iteration (same coefficients, steps, transpose and norm) in float32; every other
-    tensor (GPU, AMX CPUs) takes torch's own. The result differs from torch's only by bf16 rounding (a test
+    tensor (GPU, CPUs with AMX-BF16 or AVX512-BF16) takes torch's own. The result differs from torch's only by bf16 rounding (a test
     checks it). Wrapping is needed because torch's Muon has no option for the iteration's dtype.
     """
     import functools

@@ -59,6 +59,11 @@ def test_auto_dtype_follows_the_device_and_the_cpu(tmp_path, monkeypatch):
     amx.write_text("processor : 0\nflags : fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
     avx2.write_text("processor : 0\nflags : fpu avx2 fma\n")
     assert machine.cpu_bf16_is_fast(amx) and not machine.cpu_bf16_is_fast(avx2)
+    zen4, zen3 = tmp_path / "zen4", tmp_path / "zen3"  # AVX512-BF16 without AMX; AVX-512 without bf16
+    zen4.write_text("processor : 0\nflags : fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
+    zen3.write_text("processor : 0\nflags : fpu avx2 avx512f avx512bw avx512_vnni\n")
+    assert machine.cpu_bf16_is_fast(zen4) and not machine.cpu_bf16_is_fast(zen3)
+    assert machine.cpu_flags(zen4) >= {"avx512_bf16", "avx2"} and machine.cpu_flags(tmp_path / "missing") == set()
     assert not machine.cpu_bf16_is_fast(tmp_path / "missing")
     monkeypatch.setattr(machine, "cpu_bf16_is_fast", lambda: False)
     assert load_config(None, ["verifier.dtype=auto"]).verifier.dtype == "float32"

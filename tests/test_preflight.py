@@ -196,7 +196,7 @@ def test_fp32_on_a_cpu_without_amx_is_noted(monkeypatch):
     import eagle3ray.preflight as pf
 
     def note(cfg):
-        return [n for n in preflight(cfg).notes if n.startswith("this CPU has no AMX-BF16")]
+        return [n for n in preflight(cfg).notes if n.startswith("this CPU has neither AMX-BF16 nor AVX512-BF16")]
 
     monkeypatch.setattr(pf, "cpu_bf16_is_fast", lambda: False)
     assert len(note(load_config(None, ["verifier.dtype=float32"]))) == 1
