@@ -358,12 +358,13 @@ def _probe_here(cfg) -> Rates:
     step_s = _probe_train_step(cfg, spec, float(sum(map(len, prompts)) / len(prompts)))
     log.warning("probe: records %.1f s, engine %.1f s (load %.1f), train step %.1f s", t - t0, t_engine, load,
                 time.time() - t - t_engine)
+    flags = cpu_flags()
     return Rates(engine_load_s=load, engine_start_s=engine_start, prefill_tok_s=prefill, decode_tok_s=dec,
                  decode_batch=batch, val_decode_tok_s=vdec, val_batch=vbatch,
                  prompt_tokens_mean=float(sum(map(len, prompts)) / len(prompts)),
                  kept_fraction=len(recs) / max(1, read), train_step_s=step_s, probe_s=time.time() - t0,
-                 machine={"cpu_model": _cpu_model(), "amx_bf16": "amx_bf16" in cpu_flags(),
-                          "avx512_bf16": "avx512_bf16" in cpu_flags(), "bf16_fast": cpu_bf16_is_fast(), "dtype": v.dtype,
+                 machine={"cpu_model": _cpu_model(), "amx_bf16": "amx_bf16" in flags,
+                          "avx512_bf16": "avx512_bf16" in flags, "bf16_fast": cpu_bf16_is_fast(), "dtype": v.dtype,
                           "autocast": resolve_autocast(cfg.train.autocast, v.device), "torch_threads": torch.get_num_threads()})
 
 

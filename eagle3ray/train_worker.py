@@ -236,8 +236,8 @@ def use_fp32_newton_schulz_on_slow_bf16_cpus() -> None:
     [576, 1728] took 3.6 s in bf16 and 0.14 s in float32, and a whole Muon step of the CPU config 25.3 s against
     0.40 s with AdamW (``plan._probe_train_step``, docs/results.md). This wraps that function: a CPU tensor on
     such a CPU takes the same iteration (same coefficients, steps, transpose and norm) in float32; every other
-    tensor (GPU, CPUs with AMX-BF16 or AVX512-BF16) takes torch's own. The result differs from torch's only by bf16 rounding (a test
-    checks it). Wrapping is needed because torch's Muon has no option for the iteration's dtype.
+    tensor (GPU, CPUs with AMX-BF16 or AVX512-BF16) takes torch's own. The result differs from torch's only by bf16
+    rounding (a test checks it). Wrapping is needed because torch's Muon has no option for the iteration's dtype.
     """
     import functools
 
