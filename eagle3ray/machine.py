@@ -43,8 +43,8 @@ def cpu_bf16_is_fast(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     CPUs (among them an AMD EPYC, Zen 3) bf16 runs far slower than fp32; with AMX-BF16
     (Xeon, Sapphire Rapids and later) vLLM's bf16 regeneration and extraction ran 2.9x fp32's; with AVX512-BF16 and
     no AMX (AMD EPYC, family 25 model 17, Zen 4) 1.76x and 1.84x. CPUs with AVX-512 but no AVX512-BF16 were not
-    measured and count as slow. Reads the ``flags`` line
-    of ``cpuinfo`` (Linux) of the calling process's machine; False when it cannot be read.
+    measured and count as slow. Reads the ``flags`` line of ``cpuinfo`` (Linux) of the calling process's machine;
+    False when it cannot be read.
     """
     return any(f in cpu_flags(cpuinfo) for f in BF16_FLAGS)
 

@@ -480,9 +480,10 @@ def render(plan: dict, fresh: bool = True) -> str:
         "check": "vLLM's eagle3 config hook",
         "validate": "with and without the draft",
     }
+    avx512 = f", avx512_bf16={m['avx512_bf16']}" if "avx512_bf16" in m else ""  # plans before 2026-12-04 lack it
     head = (f"plan for run.time_budget {plan['budget_s'] / 60:.0f} min ({'probed now' if fresh else 'from plan.json'}, "
-            f"probe {r.get('probe_s', 0):.0f} s; {m.get('cpu_model', '?')}, amx_bf16={m.get('amx_bf16')}"
-            f"{', avx512_bf16=' + str(m['avx512_bf16']) if 'avx512_bf16' in m else ''}, dtype {m.get('dtype')}; planned: {', '.join(plan['planned']) or 'nothing'})")
+            f"probe {r.get('probe_s', 0):.0f} s; {m.get('cpu_model', '?')}, amx_bf16={m.get('amx_bf16')}{avx512}, "
+            f"dtype {m.get('dtype')}; planned: {', '.join(plan['planned']) or 'nothing'})")
     lines = [head] + [f"  {k:<9} {e[k] / 60:5.1f} min  {what.get(k, '')}" for k in e]
     lines.append(f"  {'total':<9} {plan['total_s'] / 60:5.1f} min" + ("" if plan["fits"] else
                  "  (over the budget even at the smallest size: raise run.time_budget)"))

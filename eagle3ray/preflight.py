@@ -515,8 +515,8 @@ def preflight(cfg, config_name: str = "", nodes: list[dict] | None = None) -> Pr
             f"{mem.activations_gib:.1f} + overhead {mem.overhead_gib:.1f}) > budget {mem.budget_gib:.1f} GiB "
             f"(verifier.gpu_memory_gib {v.gpu_memory_gib} x gpu_memory_utilization {v.gpu_memory_utilization}); {hint}")
     if v.device == "cpu" and v.dtype == "float32" and not cpu_bf16_is_fast():
-        rep.notes.append("this CPU has neither AMX-BF16 nor AVX512-BF16, so the verifier computes in float32, several times slower than "
-                         "bf16 on a CPU with them (benchmarks/dtype.py; figures in docs/results.md): the CPU config's "
+        rep.notes.append("this CPU has neither AMX-BF16 nor AVX512-BF16, so the verifier computes in float32, "
+                         "several times slower than bf16 on a CPU with them (benchmarks/dtype.py; figures in docs/results.md): the CPU config's "
                          "fixed sizes take that much longer here")
     if v.max_model_len > cfg.train.max_tokens_per_batch:
         rep.notes.append(f"train.max_tokens_per_batch {cfg.train.max_tokens_per_batch:,} < verifier.max_model_len "
