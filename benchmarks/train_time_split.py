@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--iterate", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the run (repeatable), e.g. train.cache_shard_mib=1024")
     args = ap.parse_args()
 
     from eagle3ray import pipeline, storage
@@ -48,7 +50,7 @@ def main() -> None:
 
     cfg = load_config(args.config, ["run.name=bench-split", f"run.storage={args.storage}",
                                     f"data.max_samples={args.samples}", "data.regenerate=false",
-                                    f"train.max_steps={args.steps}", f"train.checkpoint_every={args.every}"])
+                                    f"train.max_steps={args.steps}", f"train.checkpoint_every={args.every}", *args.set])
     pipeline.run_stage(cfg, "extract", with_needs=True, progress=False)
     pipeline.run_stage(cfg, "vocab", progress=False)
     paths = storage.run_paths(cfg)

@@ -433,6 +433,10 @@ class TrainSection(_Strict):
     val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of committed blocks held out (>= 1 block).")
     shuffle_buffer_rows: int = Field(
         64, ge=0, description="Shuffle buffer on each train worker, in samples (rows of hidden states held in memory).")
+    cache_shard_mib: int = Field(
+        0, ge=0, description="Keep each train worker's share of the blocks in its memory after the first pass, up "
+        "to this many MiB (Arrow size), and replay it (fully shuffled) in later epochs instead of streaming the "
+        "blocks again through Ray Data; a larger share streams every epoch. 0: always stream (docs/plan.md).")
     max_failures: int = Field(1, ge=0, description="Worker-group restarts from the last checkpoint (FailureConfig).")
     verify_blocks: Literal["sha256", "size"] = Field(
         "sha256", description="Before training, check every committed block against its manifest entry: 'sha256' "

@@ -39,6 +39,9 @@ from . import storage
 log = logging.getLogger(__name__)
 
 PLAN_FILE = "plan.json"
+#: A block row's Arrow bytes per token besides its states: ``input_ids`` (int32) and ``loss_mask`` (int8)
+#: (:data:`eagle3ray.blocks.BLOCK_SCHEMA`).
+ROW_BYTES_PER_TOKEN = 5
 PLAN_SAFETY = 0.96  # plan for this fraction of the budget: run-to-run spread on one machine (docs/plan.md)
 
 #: Fixed costs (s) and efficiency factors of the stage model. Fitted on two full runs of the CPU config (AMD EPYC,
@@ -57,6 +60,8 @@ OVERHEADS = {
     "train_overhead": 1.77,       # a Ray Train step over the probe's plain DraftStep.step: the worker also waits
                                   # for its Ray Data shard, 0.25-0.6x the step (metrics.jsonl worker_data_s vs
                                   # worker_step_s); refitted on the two default runs of 2026-12-02 (docs/plan.md)
+    "train_overhead_cached": 1.6,  # the same when every worker's share fits train.cache_shard_mib: epochs after
+                                   # the first replay it from memory (benchmarks/train_time_split.py; docs/plan.md)
     "eval_fraction": 0.05,        # held-out evaluations, as a fraction of training time
     "export_s": 2.0,
     "validate_fixed_s": 10.0,
@@ -106,6 +111,8 @@ class Rates:
     engine_start_s: float = 0.0   # a fresh process's start to a loaded engine (interpreter, imports, load), s;
                                   # what each validation engine pays. 0 (older plans, stated rates): 2 x load
     machine: dict = field(default_factory=dict)
+    state_bytes_per_token: float = 0.0  # one token's row in a block, uncompressed (states + ids), bytes; what a
+                                        # worker's shard cache holds. 0 (older plans, stated rates): unknown
 
     @classmethod
     def from_dict(cls, d: dict) -> "Rates":
@@ -124,12 +131,23 @@ def steps_for(cfg, n: int, rates: Rates) -> int:
     return max(1, math.ceil(t.planned_epochs * tokens / (t.max_tokens_per_batch * t.num_workers)))
 
 
-def _step_s(cfg, rates: Rates, tps: float) -> float:
-    """Estimated wall seconds of one optimizer step in the train stage. Online (``train.data_source``), the step's
-    tokens are extracted again for it: on one machine the verifier and the workers share the cores, so the two
-    times add (on a cluster with separate pools they would overlap; not modelled)."""
+def shard_cached(cfg, rates: Rates, n: int) -> bool:
+    """Whether each train worker's share of n samples' states fits ``train.cache_shard_mib`` (offline runs, with
+    the probe's ``state_bytes_per_token``), so that epochs after the first replay it from memory."""
+    t = cfg.train
+    share = n * (1 - t.val_fraction) * tokens_per_sample(cfg, rates) * rates.state_bytes_per_token / t.num_workers
+    return (t.cache_shard_mib > 0 and t.data_source == "offline" and rates.state_bytes_per_token > 0
+            and share <= t.cache_shard_mib * 2**20)
+
+
+def _step_s(cfg, rates: Rates, tps: float, n: int = 0) -> float:
+    """Estimated wall seconds of one optimizer step in the train stage for n training samples. Online
+    (``train.data_source``), the step's tokens are extracted again for it: on one machine the verifier and the
+    workers share the cores, so the two times add (on a cluster with separate pools they would overlap; not
+    modelled)."""
     o, t = OVERHEADS, cfg.train
-    step = rates.train_step_s * o["train_overhead"] * (1 + o["eval_fraction"])
+    overhead = o["train_overhead_cached"] if n and shard_cached(cfg, rates, n) else o["train_overhead"]
+    step = rates.train_step_s * overhead * (1 + o["eval_fraction"])
     if t.data_source == "online":
         step += t.max_tokens_per_batch * t.num_workers / (rates.prefill_tok_s * o["extract_efficiency"])
     return step
@@ -168,7 +186,7 @@ def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
                                               + answers / rates.decode_tok_s) / o["regen_efficiency"]
                                       if d.regenerate else 0.0)
     extract = o["extract_fixed_s"] + load + n * tps / (rates.prefill_tok_s * o["extract_efficiency"])
-    train = o["train_fixed_s"] + steps * _step_s(cfg, rates, tps)
+    train = o["train_fixed_s"] + steps * _step_s(cfg, rates, tps, n)
     if cfg.train.data_source == "online":  # no extract stage; train streams the held-out states once, then its
         train += load + n * cfg.train.val_fraction * tps / (rates.prefill_tok_s * o["extract_efficiency"])
         extract = 0.0
@@ -215,7 +233,7 @@ def make_plan(cfg, rates: Rates, budget_s: float) -> dict:
     if fixed_n is not None:
         n = fixed_n
         if fixed_s is None:  # fit the steps around the given data
-            per = _step_s(cfg, rates, tokens_per_sample(cfg, rates))
+            per = _step_s(cfg, rates, tokens_per_sample(cfg, rates), n)
             base = total(n) - sizes(n)[1] * per  # everything but the steps
             steps = max(1, int((target - base) / per))
         else:
@@ -356,6 +374,8 @@ def _probe_here(cfg) -> Rates:
     gc.collect()
     t_engine = time.time() - t
     step_s = _probe_train_step(cfg, spec, float(sum(map(len, prompts)) / len(prompts)))
+    from .blocks import bytes_per_token
+
     log.warning("probe: records %.1f s, engine %.1f s (load %.1f), train step %.1f s", t - t0, t_engine, load,
                 time.time() - t - t_engine)
     flags = cpu_flags()
@@ -363,6 +383,8 @@ def _probe_here(cfg) -> Rates:
                  decode_batch=batch, val_decode_tok_s=vdec, val_batch=vbatch,
                  prompt_tokens_mean=float(sum(map(len, prompts)) / len(prompts)),
                  kept_fraction=len(recs) / max(1, read), train_step_s=step_s, probe_s=time.time() - t0,
+                 state_bytes_per_token=bytes_per_token(len(spec.layer_ids), spec.model_identity["hidden_size"],
+                                                       cfg.extract.storage_dtype) + ROW_BYTES_PER_TOKEN,
                  machine={"cpu_model": _cpu_model(), "amx_bf16": "amx_bf16" in flags,
                           "avx512_bf16": "avx512_bf16" in flags, "bf16_fast": cpu_bf16_is_fast(), "dtype": v.dtype,
                           "autocast": resolve_autocast(cfg.train.autocast, v.device), "torch_threads": torch.get_num_threads()})

@@ -130,6 +130,44 @@ class NonFiniteMarker:
             raise NonFiniteLoss(f"{m['error']} (rank {m['rank']}; not trained again on a retry)")
 
 
+class ShardCache:
+    """A worker's share of a dataset kept in its memory after one whole pass, so later epochs replay it instead
+    of streaming it again from storage through Ray Data (``train.cache_shard_mib``).
+
+    Every epoch of a streamed shard reads, decompresses and ships the same blocks again; on a 2-core machine that
+    work shares the cores with the draft's step (the default run's worker waited 0.16 s a step for data and its step
+    ran 1.45x the plan's probed step, docs/plan.md). Rows are recorded as Python dicts (their ``hidden_states``
+    bytes copied out of the object store, so nothing stays pinned there) while their Arrow size stays within
+    ``limit_bytes``; past it the cache drops what it holds and the shard streams every epoch, as without it.
+    ``complete`` turns true only when a whole pass was recorded (a cut-short epoch still drains the rest of its
+    share into it). Which rows a rank holds is its first pass's share: Ray Data's ``streaming_split`` may give a
+    rank other rows in a later epoch, the cache gives it the same ones, shuffled anew each epoch.
+    """
+
+    def __init__(self, limit_bytes: int):
+        self.limit, self.rows, self.nbytes = limit_bytes, [], 0
+        self.overflow, self.complete = limit_bytes <= 0, False
+
+    def record(self, rows: list, nbytes: int) -> None:
+        """Keep ``rows`` (one Arrow batch, as dicts) of ``nbytes`` Arrow bytes, unless the limit is passed."""
+        if self.overflow or self.complete:
+            return
+        self.nbytes += nbytes
+        if self.nbytes > self.limit:
+            self.overflow, self.rows = True, []
+            log.info("train.cache_shard_mib %d: this worker's share passed it; streaming every epoch",
+                     self.limit >> 20)
+            return
+        self.rows.extend(rows)
+
+    def finish(self) -> None:
+        """A whole pass was recorded."""
+        if not self.overflow and not self.complete:
+            self.complete = True
+            log.info("cached this worker's shard in memory: %d rows, %.0f MiB (train.cache_shard_mib %d)",
+                     len(self.rows), self.nbytes / 2**20, self.limit >> 20)
+
+
 class EpochBatches:
     """One epoch of a Ray Data shard as packed batches ``(sample_ids, batch)``, skipping ``skip`` ids.
 
@@ -138,6 +176,9 @@ class EpochBatches:
     order is a function of the seed. Ray Data's own ``local_shuffle_buffer_size`` re-assembles an Arrow buffer
     of rows of megabytes of hidden states for every batch taken from it: iterating the 100 rows of a default-run
     extraction took 9.7 s with a 64-row buffer and 4.4 s without (one in-process run, docs/results.md).
+
+    With a ``cache`` (:class:`ShardCache`) the rows streamed are recorded in it; with ``replay`` the epoch reads
+    the cache instead of the shard (which is then not iterated at all) and shuffles all of its rows with ``seed``.
 
     A sample longer than ``train.max_tokens_per_batch`` (shifted tokens) fills a batch alone and speculators'
     ``CollateFn`` trains on its first ``max_tokens_per_batch`` tokens: such samples are counted in ``truncated``
@@ -148,18 +189,34 @@ class EpochBatches:
     skipped, the shuffle buffer's, and those read ahead by the packing.
     """
 
-    def __init__(self, shard, step: "DraftStep", seed: int, skip: set, all_positions: bool = False):
-        self._it = iter(shard.iter_batches(batch_size=8, batch_format="pyarrow"))
+    def __init__(self, shard, step: "DraftStep", seed: int, skip: set, all_positions: bool = False,
+                 cache: ShardCache | None = None, replay: bool = False):
+        if replay and not (cache and cache.complete):
+            raise ValueError("replay needs a complete ShardCache")
+        self._it = iter(()) if replay else iter(shard.iter_batches(batch_size=8, batch_format="pyarrow"))
+        self._cache, self._replay = cache, replay
         self._step, self._skip, self._all = step, skip, all_positions
         self._rng, self._buffer = random.Random(seed), []
         self._pulled = self._packed = 0  # rows taken from the shard (not in ``skip``), rows handed out in batches
         self.truncated = 0
+        self._replayed = []
+        if replay:
+            self._replayed = [r for r in cache.rows if r["sample_id"] not in skip]
+            self._rng.shuffle(self._replayed)
+            self._pulled = len(self._replayed)
 
     def _shuffled(self):
-        """Rows not in ``skip``, through the shuffle buffer (none with ``shuffle_buffer_rows`` 0 or 1)."""
+        """Rows not in ``skip``, through the shuffle buffer (none with ``shuffle_buffer_rows`` 0 or 1), or the
+        cache's rows in a full shuffle."""
+        if self._replay:
+            yield from self._replayed
+            return
         size, buf = self._step.tc["shuffle_buffer_rows"], self._buffer
         for tbl in self._it:
-            rows = [r for r in tbl.to_pylist() if r["sample_id"] not in self._skip]
+            every = tbl.to_pylist()
+            if self._cache is not None:
+                self._cache.record(every, tbl.nbytes)
+            rows = [r for r in every if r["sample_id"] not in self._skip]
             self._pulled += len(rows)
             for row in rows:
                 if size <= 1:
@@ -170,6 +227,8 @@ class EpochBatches:
                     i = self._rng.randrange(len(buf))
                     buf[i], buf[-1] = buf[-1], buf[i]
                     yield buf.pop()
+        if self._cache is not None:
+            self._cache.finish()
         self._rng.shuffle(buf)
         while buf:
             yield buf.pop()
@@ -197,7 +256,13 @@ class EpochBatches:
 
     def drain(self) -> int:
         self._buffer.clear()
-        rest = sum(len(set(t.column("sample_id").to_pylist()) - self._skip) for t in self._it)
+        rest = 0  # a replay pulled all its rows at the start
+        for t in self._it:
+            if self._cache is not None and not self._cache.overflow:
+                self._cache.record(t.to_pylist(), t.nbytes)
+            rest += len(set(t.column("sample_id").to_pylist()) - self._skip)
+        if self._cache is not None and not self._replay:
+            self._cache.finish()
         return self._pulled - self._packed + rest
 
 
@@ -838,8 +903,17 @@ def train_loop_per_worker(config: dict) -> None:
     hooks.start(rank)
     pos = resumed or DataPosition()
 
+    limit = int(tc.get("cache_shard_mib", 0)) << 20
+    caches = {"train": ShardCache(limit), "val": ShardCache(limit)}
+
+    def epoch(name: str, seed: int, skip: set, all_positions: bool = False) -> EpochBatches:
+        """The shard's next epoch: replayed from memory when every rank's cache holds its whole share."""
+        cache = caches[name]
+        replay = bool(comm.all_min(int(cache.complete))) if limit else False
+        return EpochBatches(ray.train.get_dataset_shard(name), step, seed, skip, all_positions, cache, replay)
+
     def evaluate() -> dict:
-        sums = step.evaluate(EpochBatches(ray.train.get_dataset_shard("val"), step, 0, set()))
+        sums = step.evaluate(epoch("val", 0, set()))
         return summarize(comm.all_sum(sums), tc["ttt_steps"], "val_")
 
     if resumed is None:
@@ -858,8 +932,7 @@ def train_loop_per_worker(config: dict) -> None:
     t_last, tokens_since, tail = time.time(), 0, 0
     while pos.step < tc["max_steps"]:
         epoch_start, fresh = pos.step, not pos.consumed
-        batches = EpochBatches(ray.train.get_dataset_shard("train"), step, tc["seed"] + pos.epoch, pos.consumed,
-                               tc["loss_positions"] == "all")
+        batches = epoch("train", tc["seed"] + pos.epoch, pos.consumed, tc["loss_positions"] == "all")
         for ids, batch in batches:
             if not comm.all_min(1):  # another rank's share of this epoch is used up: all end the epoch together
                 tail += len(ids) + batches.drain()

@@ -53,6 +53,7 @@ def trained(ray_session, tmp_path_factory, tiny_verifier):
         "train": {"num_workers": 2, "cpus_per_worker": 0.5, "max_steps": MAX_STEPS, "checkpoint_every": 10,
                   "max_tokens_per_batch": 256, "lr": 3e-3, "warmup_steps": 5, "val_fraction": 0.15, "ttt_steps": 2,
                   "shuffle_buffer_rows": 16, "max_failures": 1,
+                  "cache_shard_mib": 64,  # later epochs replay each worker's share from memory (the CPU default's path)
                   "autocast": "bfloat16"},  # the AMX default's path, on any CPU (auto would depend on the host)
     }))
     cfg = load_config(cfg_path)
@@ -100,6 +101,13 @@ def test_killed_worker_resumes_from_checkpoint_without_skipping_data(trained):
     # Epoch 0 saw (nearly) all training samples: only the tail both workers drop together is missing.
     epoch0 = {i for e in kept if e["epoch"] == 0 for i in e["ids"]}
     assert len(epoch0) > 0.6 * 64 * (1 - cfg.train.val_fraction)
+    # Whole later epochs (replayed from the workers' shard caches, train.cache_shard_mib) also see (nearly) all
+    # training samples; the last epoch is cut short by max_steps
+    epochs = sorted({e["epoch"] for e in kept})
+    assert len(epochs) >= 3, epochs
+    for epoch in epochs[1:-1]:
+        seen = {i for e in kept if e["epoch"] == epoch for i in e["ids"]}
+        assert len(seen) > 0.6 * 64 * (1 - cfg.train.val_fraction), (epoch, len(seen))
 
 
 def test_a_nan_in_training_stops_the_run_naming_the_step_and_samples_and_keeps_the_last_good_checkpoint(trained,

@@ -422,6 +422,60 @@ def test_the_worker_shuffle_buffer_yields_every_row_once_in_a_seeded_order_and_d
     assert len(first_ids) + batches.drain() == 12  # nothing consumed is lost from the tail count
 
 
+class _CountingShard(_Shard):
+    """A shard in several Arrow batches that counts how often it is iterated."""
+
+    def __init__(self, rows, per_batch=3):
+        super().__init__(rows)
+        self.per_batch, self.passes = per_batch, 0
+
+    def iter_batches(self, **_):
+        import pyarrow as pa
+
+        from eagle3ray.blocks import BLOCK_SCHEMA
+
+        self.passes += 1
+        for i in range(0, len(self.rows), self.per_batch):
+            yield pa.Table.from_pylist(self.rows[i:i + self.per_batch], schema=BLOCK_SCHEMA)
+
+
+def test_the_shard_cache_replays_a_whole_first_pass_shuffled_and_streams_when_the_share_is_over_its_limit(
+        tiny_verifier):
+    """train.cache_shard_mib: after one whole pass (drained tails included) later epochs replay the rows from memory
+    without iterating the shard: every row once, skipped ids never, the order a function of the seed; a share over
+    the limit is dropped and every epoch streams; a replay needs a complete cache."""
+    from eagle3ray.train_worker import EpochBatches, ShardCache
+
+    step = _tiny_step(tiny_verifier, max_tokens=64)
+    step.tc["shuffle_buffer_rows"] = 4  # so that the first batch does not pull the whole shard
+    rows = _rows([20] * 12)
+    shard, cache = _CountingShard(rows), ShardCache(64 << 20)
+    with pytest.raises(ValueError, match="complete ShardCache"):
+        EpochBatches(shard, step, 0, set(), cache=cache, replay=True)
+    batches = EpochBatches(shard, step, 0, set(), cache=cache)
+    first_ids, _ = next(iter(batches))
+    assert not cache.complete
+    assert len(first_ids) + batches.drain() == 12  # cut short: the drained rest is recorded too
+    assert cache.complete and len(cache.rows) == 12 and shard.passes == 1
+
+    def order(seed, skip=frozenset()):
+        b = EpochBatches(shard, step, seed, set(skip), cache=cache, replay=True)
+        return [i for ids, _ in b for i in ids]
+
+    a, b, c = order(1), order(1), order(2)
+    assert sorted(a) == sorted(f"s{i}" for i in range(12)) and a == b and a != c
+    assert sorted(order(3, {"s0", "s5"})) == sorted(f"s{i}" for i in range(12) if i not in (0, 5))
+    assert shard.passes == 1  # no replay read the shard
+    replay = EpochBatches(shard, step, 4, {"s1"}, cache=cache, replay=True)
+    ids, _ = next(iter(replay))
+    assert len(ids) + replay.drain() == 11  # the tail count of a replay, as of a streamed epoch
+
+    small = ShardCache(rows[0]["hidden_states"].__len__() * 2)  # room for about two rows' states
+    for _ in range(2):
+        assert len([i for ids, _ in EpochBatches(shard, step, 0, set(), cache=small) for i in ids]) == 12
+    assert small.overflow and not small.complete and small.rows == [] and shard.passes == 3
+
+
 def test_an_epoch_that_trained_nothing_from_a_fresh_start_stops_the_run_naming_the_workers():
     """Every epoch splits the same rows: one that began with nothing consumed and ended without a step would
     repeat forever (seen with Ray Data's equal=False split of a few blocks over 2 workers). A resumed epoch whose
