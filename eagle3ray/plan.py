@@ -60,8 +60,10 @@ OVERHEADS = {
     "train_overhead": 1.77,       # a Ray Train step over the probe's plain DraftStep.step: the worker also waits
                                   # for its Ray Data shard, 0.25-0.6x the step (metrics.jsonl worker_data_s vs
                                   # worker_step_s); refitted on the two default runs of 2026-12-02 (docs/plan.md)
-    "train_overhead_cached": 1.6,  # the same when every worker's share fits train.cache_shard_mib: epochs after
-                                   # the first replay it from memory (benchmarks/train_time_split.py; docs/plan.md)
+    "train_overhead_cached": 1.35,  # the same when every worker's share fits train.cache_shard_mib: epochs after
+                                    # the first replay it from memory; fitted on one run of 2026-12-04 (1.26 on
+                                    # an EPYC where the streamed fit was 1.62) scaled to the streamed fit
+                                    # (docs/plan.md)
     "eval_fraction": 0.05,        # held-out evaluations, as a fraction of training time
     "export_s": 2.0,
     "validate_fixed_s": 10.0,

@@ -212,3 +212,26 @@ def test_validate_estimate_starts_engines_in_groups_from_the_fresh_process_start
                                 * (1 + o["engines_together"]) + decode)
     # stated rates need not give it
     assert P.Rates.from_dict({**dataclasses.asdict(RATES)}).engine_start_s == 0.0
+
+
+def test_a_share_that_fits_the_shard_cache_plans_cheaper_steps_and_so_more_data(tmp_path):
+    """train.cache_shard_mib: when every worker's planned share of the states fits it (the probe's
+    state_bytes_per_token), the train term uses train_overhead_cached; a share over it, a cache of 0, online
+    training or an older plan without state_bytes_per_token keep the streamed overhead."""
+    from dataclasses import replace
+
+    rates = replace(RATES, state_bytes_per_token=4613.0)  # SmolLM2: 4 x 576 bf16 + ids
+    streamed = cfg_for(tmp_path, "run.time_budget=15m", "train.cache_shard_mib=0")
+    cached = cfg_for(tmp_path, "run.time_budget=15m", "train.cache_shard_mib=2048")
+    tiny = cfg_for(tmp_path, "run.time_budget=15m", "train.cache_shard_mib=1")
+    assert P.shard_cached(cached, rates, 500) and not P.shard_cached(streamed, rates, 500)
+    assert not P.shard_cached(tiny, rates, 500)  # ~0.3 GiB of states over a 1 MiB cache
+    assert not P.shard_cached(cached, RATES, 500)  # bytes per token unknown (older plans, stated rates)
+    online = cfg_for(tmp_path, "run.time_budget=15m", "train.cache_shard_mib=2048", "train.data_source=online")
+    assert not P.shard_cached(online, rates, 500)
+    tps = P.tokens_per_sample(cached, rates)
+    ratio = P._step_s(cached, rates, tps, 500) / P._step_s(streamed, rates, tps, 500)
+    assert ratio == pytest.approx(P.OVERHEADS["train_overhead_cached"] / P.OVERHEADS["train_overhead"])
+    a, b = P.make_plan(streamed, rates, 900), P.make_plan(cached, rates, 900)
+    assert b["max_samples"] > a["max_samples"] and b["max_steps"] > a["max_steps"]
+    assert b["total_s"] <= 900 and b["rates"]["state_bytes_per_token"] == 4613.0
