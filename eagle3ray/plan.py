@@ -300,7 +300,7 @@ def stated_rates(cfg) -> Rates | None:
     given = cfg.run.plan_rates
     if not given:
         return None
-    optional = ("probe_s", "machine", "engine_start_s")
+    optional = ("probe_s", "machine", "engine_start_s", "state_bytes_per_token")
     need = [k for k in Rates.__dataclass_fields__ if k not in optional and k not in given]
     if need:
         raise ValueError(f"run.plan_rates lacks {', '.join(need)} (see eagle3ray.plan.Rates; docs/plan.md)")
