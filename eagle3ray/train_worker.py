@@ -810,6 +810,23 @@ class _Collective:
         return dict(zip(keys, t.tolist()))
 
 
+class _Shards:
+    """The worker's Ray Data shards (``train``, ``val``), each with its :class:`ShardCache` of ``limit_mib`` MiB."""
+
+    def __init__(self, step: "DraftStep", comm: "_Collective", limit_mib: int):
+        self.step, self.comm, self.limit = step, comm, limit_mib << 20
+        self.caches = {"train": ShardCache(self.limit), "val": ShardCache(self.limit)}
+
+    def epoch(self, name: str, seed: int, skip: set, all_positions: bool = False) -> EpochBatches:
+        """The shard's next epoch, replayed from memory when every rank's cache holds its whole share (every rank
+        calls this at the same point: the decision is an all-reduce)."""
+        import ray.train
+
+        cache = self.caches[name]
+        replay = bool(self.comm.all_min(int(cache.complete))) if self.limit else False
+        return EpochBatches(ray.train.get_dataset_shard(name), self.step, seed, skip, all_positions, cache, replay)
+
+
 def _worker_logging() -> None:
     """Route this package's INFO records to the worker's stderr (Ray shows it in the driver and the dashboard)."""
     pkg = logging.getLogger("eagle3ray")
@@ -899,21 +916,12 @@ def train_loop_per_worker(config: dict) -> None:
     NonFiniteMarker.raise_if_set(config)  # a retry would reach the same non-finite step again
     resumed = WorkerCheckpoint.restore(ckpt, step)
     step.to_device(device, ray.train.torch.prepare_model if world > 1 else None)
-    comm, hooks = _Collective(world, device), config.get("hooks") or WorkerHooks()
+    comm, hooks, pos = _Collective(world, device), config.get("hooks") or WorkerHooks(), resumed or DataPosition()
     hooks.start(rank)
-    pos = resumed or DataPosition()
-
-    limit = int(tc.get("cache_shard_mib", 0)) << 20
-    caches = {"train": ShardCache(limit), "val": ShardCache(limit)}
-
-    def epoch(name: str, seed: int, skip: set, all_positions: bool = False) -> EpochBatches:
-        """The shard's next epoch: replayed from memory when every rank's cache holds its whole share."""
-        cache = caches[name]
-        replay = bool(comm.all_min(int(cache.complete))) if limit else False
-        return EpochBatches(ray.train.get_dataset_shard(name), step, seed, skip, all_positions, cache, replay)
+    shards = _Shards(step, comm, int(tc.get("cache_shard_mib", 0)))
 
     def evaluate() -> dict:
-        sums = step.evaluate(epoch("val", 0, set()))
+        sums = step.evaluate(shards.epoch("val", 0, set()))
         return summarize(comm.all_sum(sums), tc["ttt_steps"], "val_")
 
     if resumed is None:
@@ -932,7 +940,7 @@ def train_loop_per_worker(config: dict) -> None:
     t_last, tokens_since, tail = time.time(), 0, 0
     while pos.step < tc["max_steps"]:
         epoch_start, fresh = pos.step, not pos.consumed
-        batches = epoch("train", tc["seed"] + pos.epoch, pos.consumed, tc["loss_positions"] == "all")
+        batches = shards.epoch("train", tc["seed"] + pos.epoch, pos.consumed, tc["loss_positions"] == "all")
         for ids, batch in batches:
             if not comm.all_min(1):  # another rank's share of this epoch is used up: all end the epoch together
                 tail += len(ids) + batches.drain()
