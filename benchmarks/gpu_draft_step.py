@@ -142,12 +142,12 @@ def _row(i, ids, st, to_storage_bytes):
             "hs_dtype": "bfloat16"}
 
 
-def run_variant(name, tc, verifier_dir, rows, hidden, vd, vocab, dev, steps, tokens):
-    """Train ``steps`` steps of one variant; returns (first loss, last loss, ok, printed line)."""
-    import numpy as np
+def build_step(tc: dict, verifier_dir, hidden: int, vd: int, vocab: int, dev):
+    """The product's ``DraftStep`` for one variant, seeded (0), on ``dev``, in training mode; d2t/t2d map the first
+    ``vd`` of the verifier's ``vocab`` tokens to the draft vocabulary (a benchmark does not need a real mapping)."""
     import torch
 
-    from eagle3ray.train_worker import DraftStep, pack_rows, row_to_sample, summarize
+    from eagle3ray.train_worker import DraftStep
 
     d2t = torch.zeros(vd, dtype=torch.long)
     t2d = torch.zeros(vocab, dtype=torch.bool)
@@ -156,6 +156,17 @@ def run_variant(name, tc, verifier_dir, rows, hidden, vd, vocab, dev, steps, tok
     step_obj = DraftStep.build(tc, verifier_dir, [2, 15, 27], d2t, t2d, hidden, autocast_bf16=dev.type == "cuda")
     step_obj.to_device(dev)
     step_obj.model.train()
+    return step_obj
+
+
+def run_variant(name, tc, verifier_dir, rows, hidden, vd, vocab, dev, steps, tokens):
+    """Train ``steps`` steps of one variant; returns (first loss, last loss, ok, printed line)."""
+    import numpy as np
+    import torch
+
+    from eagle3ray.train_worker import pack_rows, row_to_sample, summarize
+
+    step_obj = build_step(tc, verifier_dir, hidden, vd, vocab, dev)
 
     def stream():
         while True:
@@ -339,18 +350,12 @@ def run_vary(shape: str, tc: dict, verifier_dir, bases, hidden, vd, vocab, dev, 
     import numpy as np
     import torch
 
-    from eagle3ray.train_worker import DraftStep, pack_rows, row_to_sample, summarize
+    from eagle3ray.train_worker import pack_rows, row_to_sample, summarize
 
     tokens, name = args.tokens, f"[{shape} vary]"
     hi = min(args.max_len, tokens + 1)  # a sample of T tokens packs T - 1 shifted tokens: none is cut
     lo = max(2, min(args.min_len, hi))
-    d2t = torch.zeros(vd, dtype=torch.long)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[:vd] = True
-    torch.manual_seed(0)
-    step_obj = DraftStep.build(tc, verifier_dir, [2, 15, 27], d2t, t2d, hidden, autocast_bf16=dev.type == "cuda")
-    step_obj.to_device(dev)
-    step_obj.model.train()
+    step_obj = build_step(tc, verifier_dir, hidden, vd, vocab, dev)
     forward = type(step_obj.core).forward
     watch = DynamoWatch()
     compiled = getattr(forward, "_torchdynamo_orig_callable", None) is not None
