@@ -111,7 +111,8 @@ class Rates:
     train_step_s: float           # median DraftStep.step at train.max_tokens_per_batch tokens, s
     probe_s: float = 0.0          # the probe's own wall time, s
     engine_start_s: float = 0.0   # a fresh process's start to a loaded engine (interpreter, imports, load), s;
-                                  # what each validation engine pays. 0 (older plans, stated rates): 2 x load
+                                  # what each validation engine pays: the probe's own start, or a warm import +
+                                  # load where smaller (cold machine). 0 (older plans, stated rates): 2 x load
     machine: dict = field(default_factory=dict)
     state_bytes_per_token: float = 0.0  # one token's row in a block, uncompressed (states + ids), bytes; what a
                                         # worker's shard cache holds. 0 (older plans, stated rates): unknown
@@ -307,6 +308,22 @@ def stated_rates(cfg) -> Rates | None:
     return Rates.from_dict({**given, "probe_s": 0.0, "machine": {"cpu_model": "stated (run.plan_rates)"}})
 
 
+def _warm_import_s() -> float:
+    """Wall seconds a fresh interpreter takes to import torch and vLLM now that this process has (page cache warm,
+    bytecode compiled): what each validation engine's process pays before its load, late in a run.
+
+    The probe's own process age at its engine's load also counts a first import on a cold machine (27 s of a 46 s
+    start on an AMD EPYC whose validation engines then started in 16-24 s, two together: docs/plan.md); the probe
+    takes the smaller of the two. A failed import counts as infinite (the process age is used).
+    """
+    import subprocess
+    import sys
+
+    t = time.time()
+    p = subprocess.run([sys.executable, "-c", "import torch, vllm"], capture_output=True, timeout=300)
+    return time.time() - t if p.returncode == 0 else float("inf")
+
+
 def _probe_here(cfg) -> Rates:
     """The probe itself (runs in the subprocess :func:`probe` starts)."""
     t0 = time.time()
@@ -375,6 +392,7 @@ def _probe_here(cfg) -> Rates:
     del eng
     gc.collect()
     t_engine = time.time() - t
+    engine_start = min(engine_start, load + _warm_import_s())
     step_s = _probe_train_step(cfg, spec, float(sum(map(len, prompts)) / len(prompts)))
     from .blocks import bytes_per_token
 

@@ -235,3 +235,15 @@ def test_a_share_that_fits_the_shard_cache_plans_cheaper_steps_and_so_more_data(
     a, b = P.make_plan(streamed, rates, 900), P.make_plan(cached, rates, 900)
     assert b["max_samples"] > a["max_samples"] and b["max_steps"] > a["max_steps"]
     assert b["total_s"] <= 900 and b["rates"]["state_bytes_per_token"] == 4613.0
+
+
+def test_the_probes_warm_import_is_timed_in_a_fresh_interpreter_and_a_failure_is_never_the_smaller(monkeypatch):
+    """The probe caps a validation engine's start at load + a warm fresh-process import (cold machines inflate its
+    own process age); the import is real here, and an interpreter that cannot import counts as infinite, so
+    the probe's own measurement is kept."""
+    import sys
+
+    t = P._warm_import_s()
+    assert 0.0 < t < 300.0
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    assert P._warm_import_s() == float("inf")
