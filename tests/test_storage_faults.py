@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -27,6 +28,25 @@ pytestmark = pytest.mark.slow
 
 class _Stop(Exception):
     pass
+
+
+def _settle(cfg, quiet_s: float = 15.0, limit_s: float = 120.0) -> None:
+    """Wait until no new file has appeared under ``hidden_states/blocks`` for ``quiet_s`` seconds (at most
+    ``limit_s``): late writes of a failed run's writers land before the test goes on."""
+    paths = storage.run_paths(cfg)
+    t0 = seen_at = time.time()
+    seen = None
+    while time.time() - t0 < limit_s:
+        paths.fs.invalidate_cache()
+        try:
+            now = set(paths.fs.ls(f"{paths.hidden_states}/blocks", detail=False))
+        except FileNotFoundError:
+            now = set()
+        if now != seen:
+            seen, seen_at = now, time.time()
+        elif time.time() - seen_at >= quiet_s:
+            return
+        time.sleep(1.0)
 
 
 def _state(cfg) -> dict:
@@ -154,6 +174,11 @@ def test_the_s3_endpoint_stopped_mid_extraction_fails_and_a_rerun_finishes_exact
     msg = f"{e.value!r} {e.value}"
     assert f"127.0.0.1:{front.port}" in msg and ("Could not connect" in msg or "Connection" in msg), msg[:2000]
     front.start()
+    # The failed run's block writers (Ray Data actors) may still be retrying a PUT that the outage cut; with the
+    # endpoint back, such a block lands late. It is an orphan (never listed, never read) that a resume's start
+    # sweep removes, but one landing after the rerun's end sweep would outlive it (seen once in CI, 2026-12-06):
+    # let the listing settle so this test checks the rerun, not that race.
+    _settle(cfg)
     mid = _state(cfg)
     assert not mid["complete"] and len(mid["ids"]) == len(set(mid["ids"])) >= 2
     assert set(mid["listed"]) <= set(mid["on_storage"])
