@@ -392,12 +392,14 @@ def _probe_here(cfg) -> Rates:
     del eng
     gc.collect()
     t_engine = time.time() - t
-    engine_start = min(engine_start, load + _warm_import_s())
+    warm_import = _warm_import_s()
+    engine_start = min(engine_start, load + warm_import)
+    t_step = time.time()
     step_s = _probe_train_step(cfg, spec, float(sum(map(len, prompts)) / len(prompts)))
     from .blocks import bytes_per_token
 
-    log.warning("probe: records %.1f s, engine %.1f s (load %.1f), train step %.1f s", t - t0, t_engine, load,
-                time.time() - t - t_engine)
+    log.warning("probe: records %.1f s, engine %.1f s (load %.1f), warm import %.1f s, train step %.1f s", t - t0,
+                t_engine, load, warm_import, time.time() - t_step)
     flags = cpu_flags()
     return Rates(engine_load_s=load, engine_start_s=engine_start, prefill_tok_s=prefill, decode_tok_s=dec,
                  decode_batch=batch, val_decode_tok_s=vdec, val_batch=vbatch,
