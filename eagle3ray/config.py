@@ -429,6 +429,11 @@ class TrainSection(_Strict):
         "(speculators' eagle3 default; vLLM reads it from the draft's config.json).")
     norm_output: bool = Field(
         True, description="Feed post-norm draft states across TTT steps (Eagle 3.1; speculators' eagle3 default).")
+    output_norm_init: Literal["ones", "verifier"] = Field(
+        "ones", description="Initial weight of the draft's output norm (`norm.weight`), the input norm of its "
+        "frozen lm_head (speculators loads that head from the verifier's, restricted to the draft vocabulary): "
+        "'ones' (speculators' and SpecForge's init) or 'verifier', the verifier's own final norm, the scale that "
+        "lm_head was trained with (docs/results.md).")
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints (and held-out evaluations).")
     val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of committed blocks held out (>= 1 block).")
     shuffle_buffer_rows: int = Field(

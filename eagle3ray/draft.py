@@ -230,7 +230,7 @@ def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: di
         aux_layer_ids: the three auxiliary ids (without the final id L).
         d2t: [Vd] int64 offsets; t2d: [V] bool.
         tcfg: ``train`` section as a dict (num_draft_layers, draft_head_dim, norm_before_residual,
-            norm_before_fc, norm_output, ttt_steps, attn_impl). The config defaults ``norm_before_fc`` and
+            norm_before_fc, norm_output, output_norm_init, ttt_steps, attn_impl). The config defaults ``norm_before_fc`` and
             ``norm_output`` to True as speculators' training CLI does for eagle3 (``from_training_args`` itself
             defaults them to False).
     """
@@ -241,10 +241,16 @@ def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: di
     layer = draft_layer_config(verifier_text_config(verifier_path), tcfg["num_draft_layers"],
                                tcfg.get("draft_head_dim"))
     text = AutoConfig.for_model(**layer)
-    return Eagle3DraftModel.from_training_args(
+    draft = Eagle3DraftModel.from_training_args(
         text, t2d=torch.as_tensor(t2d, dtype=torch.bool), d2t=torch.as_tensor(d2t, dtype=torch.long),
         num_layers=tcfg["num_draft_layers"], norm_before_residual=tcfg["norm_before_residual"],
         norm_before_fc=tcfg["norm_before_fc"], norm_output=tcfg["norm_output"],
         ttt_steps=tcfg["ttt_steps"], verifier_name_or_path=verifier_path, draft_vocab_size=len(d2t),
         target_layer_ids=list(aux_layer_ids), draft_attn_impl=tcfg["attn_impl"],
     )
+    if tcfg.get("output_norm_init", "ones") == "verifier":
+        # The frozen lm_head is the verifier's; its input norm starts as the verifier's final norm (loaded by
+        # speculators into ``verifier_norm`` for the loss targets) instead of ones.
+        with torch.no_grad():
+            draft.norm.weight.copy_(draft.verifier_norm.weight)
+    return draft

@@ -573,3 +573,32 @@ def test_the_fused_loss_kernels_get_their_own_autotune_config_lists_with_the_sam
     assert fwd.configs is not bwd.configs
     assert [str(c) for c in fwd.configs] == [str(c) for c in bwd.configs] == [str(c) for c in before]
     assert len(before) > 0
+
+
+def test_the_output_norm_starts_as_the_verifiers_final_norm_only_when_asked(tiny_verifier, tmp_path):
+    """``train.output_norm_init: verifier`` copies the verifier's ``model.norm.weight`` into the draft's ``norm``
+    (the frozen lm_head's input norm); ``ones`` keeps speculators' init. The tiny verifier's norm is ones, so a copy
+    with a distinct norm is made here."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from eagle3ray.config import load_config
+    from eagle3ray.draft import build_draft
+
+    verifier = tmp_path / "verifier"
+    shutil.copytree(tiny_verifier, verifier)
+    sd = load_file(verifier / "model.safetensors")
+    scale = torch.linspace(-2.0, 3.0, sd["model.norm.weight"].numel()).to(sd["model.norm.weight"].dtype)
+    sd["model.norm.weight"] = scale
+    save_file(sd, verifier / "model.safetensors", metadata={"format": "pt"})
+
+    d2t, t2d = torch.zeros(512, dtype=torch.long), torch.zeros(49152, dtype=torch.bool)
+    t2d[:512] = True
+    for init, expect in (("verifier", scale), ("ones", torch.ones_like(scale))):
+        tc = load_config(None, ["vocab.draft_vocab_size=512", f"train.output_norm_init={init}"]).train.model_dump()
+        draft = build_draft(str(verifier), [2, 4, 5], d2t, t2d, tc)
+        assert torch.equal(draft.norm.weight.detach(), expect), init
+        assert draft.norm.weight.requires_grad  # still trained
+        assert torch.equal(draft.verifier_norm.weight.detach(), scale)  # the loss targets' norm is untouched
