@@ -230,9 +230,9 @@ def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: di
         aux_layer_ids: the three auxiliary ids (without the final id L).
         d2t: [Vd] int64 offsets; t2d: [V] bool.
         tcfg: ``train`` section as a dict (num_draft_layers, draft_head_dim, norm_before_residual,
-            norm_before_fc, norm_output, output_norm_init, ttt_steps, attn_impl). The config defaults ``norm_before_fc`` and
-            ``norm_output`` to True as speculators' training CLI does for eagle3 (``from_training_args`` itself
-            defaults them to False).
+            norm_before_fc, norm_output, output_norm_init, ttt_steps, attn_impl). The config defaults
+            ``norm_before_fc`` and ``norm_output`` to True as speculators' training CLI does for eagle3
+            (``from_training_args`` itself defaults them to False); ``output_norm_init`` absent means ``ones``.
     """
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
