@@ -82,7 +82,8 @@ def cpu_engine_env(device: str) -> dict[str, str]:
     as fast; Intel OpenMP (libiomp5) gave 0.92-1.07x, so it is not preloaded. Empty for other devices, when
     ``EAGLE3RAY_CPU_PRELOAD=off``, when this process already preloads a tcmalloc, or when none is installed.
     An engine process must *start* with it: eagle3ray's CPU engines run in-process (Ray actors and Serve replicas
-    get it through their ``runtime_env``; the plan's probe through its subprocess environment).
+    get it through their ``runtime_env``; the plan's probe through its subprocess environment). CPU Ray Train
+    workers get it too (``RunConfig.worker_runtime_env``, :func:`eagle3ray.train.train`).
     """
     if device != "cpu" or os.environ.get("EAGLE3RAY_CPU_PRELOAD", "auto") == "off":
         return {}

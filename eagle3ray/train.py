@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from . import blocks, code_fingerprint, storage
 from .artifacts import load_vocab, read_metrics, read_vocab_meta
-from .machine import resolve_autocast
+from .machine import cpu_engine_env, resolve_autocast
 from .train_worker import NonFiniteLoss, NonFiniteMarker, WorkerCheckpoint, WorkerHooks, train_loop_per_worker
 
 log = logging.getLogger(__name__)
@@ -289,6 +289,10 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
         "arrow_fs": afs, "fit_token": uuid.uuid4().hex,
     }
     resources = {"CPU": cfg.train.cpus_per_worker, **cfg.train.ray_resources}
+    # CPU workers start with tcmalloc preloaded where it is installed, as the CPU engines and the plan's probe do:
+    # the worker's loop runs in a thread of its actor, where glibc's allocator cost its steps more than the
+    # probe's (benchmarks/train.py --variants 1w,1w-glibc, docs/results.md). Empty on GPU workers.
+    worker_env = cpu_engine_env("cuda" if cfg.train.use_gpu else "cpu")
     if cfg.train.use_gpu:
         resources["GPU"] = 1
     trainer = TorchTrainer(
@@ -301,6 +305,7 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
             checkpoint_config=CheckpointConfig(checkpoint_score_attribute="val_full_acc_0",
                                                checkpoint_score_order="max"),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            worker_runtime_env={"env_vars": worker_env} if worker_env else None,
         ),
         datasets={"train": ds_train, "val": ds_val},
     )

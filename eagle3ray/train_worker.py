@@ -894,6 +894,18 @@ def _check_epoch_trained(pos: DataPosition, epoch_start: int, fresh: bool, world
                            "samples or lower train.num_workers")
 
 
+def tcmalloc_loaded() -> bool:
+    """Whether this process has a tcmalloc mapped (``/proc/self/maps``; False where that file does not exist).
+    CPU workers start with it preloaded where it is installed (:func:`eagle3ray.machine.cpu_engine_env`); each
+    metrics row says so as ``worker_tcmalloc``: the fraction of ranks that have it (1.0 on a CPU machine with tcmalloc
+    installed, 0.0 on GPU workers or with ``EAGLE3RAY_CPU_PRELOAD=off``)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libtcmalloc" in f.read()
+    except OSError:
+        return False
+
+
 def train_loop_per_worker(config: dict) -> None:
     """The Ray Train worker loop (see module docstring). ``config`` is built by :func:`eagle3ray.train.train`."""
     import ray.train
@@ -919,6 +931,7 @@ def train_loop_per_worker(config: dict) -> None:
     comm, hooks, pos = _Collective(world, device), config.get("hooks") or WorkerHooks(), resumed or DataPosition()
     hooks.start(rank)
     shards = _Shards(step, comm, int(tc.get("cache_shard_mib", 0)))
+    tcmalloc = float(tcmalloc_loaded())
 
     def evaluate() -> dict:
         sums = step.evaluate(shards.epoch("val", 0, set()))
@@ -965,7 +978,8 @@ def train_loop_per_worker(config: dict) -> None:
                           "tokens": tok, "tokens_per_s": tok / max(dt, 1e-9), "lr": step.lr,
                           "epoch_tail_samples": comm.all_sum({"n": float(tail)})["n"],
                           "truncated_samples": comm.all_sum({"n": float(batches.truncated)})["n"],
-                          **{f"worker_{k}": round(v, 1) for k, v in step.seconds.items()}}
+                          **{f"worker_{k}": round(v, 1) for k, v in step.seconds.items()},
+                          "worker_tcmalloc": comm.all_sum({"n": tcmalloc})["n"] / world}
                 _report(config, step, rank, pos, mine, report)
                 sums, tokens_since, t_last = {}, 0, time.time()
             if pos.step >= tc["max_steps"]:

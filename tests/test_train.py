@@ -582,3 +582,17 @@ def test_hybrid_training_commits_each_streamed_sample_once_and_a_later_offline_r
     t = run_stage(off, "train", progress=False)
     assert t.steps == 8 and not t.skipped
     assert blocks.read_committed(dst.fs, dst.hidden_states)[0]["blocks"] == man["blocks"]
+
+
+def test_cpu_workers_start_with_tcmalloc_where_it_is_installed(trained):
+    """The Ray Train workers' own /proc/self/maps (reported per checkpoint as ``worker_tcmalloc``) show tcmalloc
+    exactly when eagle3ray.machine.cpu_engine_env would preload it (or this process already has it)."""
+    from eagle3ray.artifacts import read_metrics
+    from eagle3ray.machine import cpu_engine_env
+    from eagle3ray.train_worker import tcmalloc_loaded
+
+    cfg, _, _, _ = trained
+    rows = [r for r in read_metrics(storage.run_paths(cfg)) if "worker_tcmalloc" in r]
+    assert rows, "no metrics row carries worker_tcmalloc"
+    expected = 1.0 if (cpu_engine_env("cpu") or tcmalloc_loaded()) else 0.0
+    assert {r["worker_tcmalloc"] for r in rows} == {expected}
