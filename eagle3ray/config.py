@@ -448,6 +448,13 @@ class TrainSection(_Strict):
         "reads each block once more (streamed) and catches any corrupt byte; 'size' only checks existence and size. "
         "A bad block stops the stage naming it (`eagle3ray verify --repair` turns it back into work to redo).")
     seed: int = Field(0, description="Draft initialisation and data shuffling seed.")
+    ordered_ingest: bool = Field(
+        True, description="Offline data: Ray Data hands the blocks to the workers in the same order on every run "
+        "(ExecutionOptions.preserve_order, which also drops the split's locality hints), so the seed fixes every "
+        "epoch's samples and order: the same blocks, settings and seed train the same draft, bit for bit with one "
+        "worker (benchmarks/train_determinism.py). false: blocks in the order Ray Data's read tasks finish, with "
+        "locality hints (less cross-node transfer on a multi-node cluster); two runs then differ from their first "
+        "step. Online and hybrid streams keep the verifier's order either way.")
 
     @field_validator("autocast", mode="before")
     @classmethod

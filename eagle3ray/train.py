@@ -17,6 +17,7 @@ Layout: ``<run>/checkpoints/train/checkpoint_*`` (Ray Train; :class:`eagle3ray.t
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import threading
 import time
@@ -93,7 +94,7 @@ def _check_manifest(man: dict, spec, where: str) -> None:
 #: position is kept per sample, not per rank (:class:`eagle3ray.train_worker.WorkerCheckpoint`), so a run may
 #: resume with more or fewer workers (each step then trains ``num_workers`` x ``max_tokens_per_batch`` tokens).
 _RESUMABLE_FIELDS = ("max_steps", "checkpoint_every", "max_failures", "verify_blocks", "num_workers",
-                     "cpus_per_worker", "ray_resources")
+                     "cpus_per_worker", "ray_resources", "ordered_ingest")
 
 #: Train fields that only matter with ``train.optimizer: muon`` (left out of an AdamW run's settings, so that they
 #: never set its checkpoints aside).
@@ -246,7 +247,7 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
     """
     import ray
     import ray.data
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from .machine import ensure_ray
@@ -295,6 +296,13 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
     worker_env = cpu_engine_env("cuda" if cfg.train.use_gpu else "cpu")
     if cfg.train.use_gpu:
         resources["GPU"] = 1
+    # train.ordered_ingest: blocks reach the workers in the same order on every run (Ray Data's preserve_order; its
+    # OutputSplitter then also ignores locality hints, "to ensure determinism"), so the seed fixes each epoch's
+    # samples and order. Without it the read tasks' finishing order decided, and two runs on the same blocks
+    # differed from their first step (benchmarks/train_determinism.py, docs/results.md). Online and hybrid runs
+    # stream states as the verifier produces them: their order stays the producer's.
+    ingest = copy.deepcopy(ray.data.DataContext.get_current().execution_options)  # what Ray Train would use
+    ingest.preserve_order = True  # (DataConfig.default_ingest_options() warns that exclude_resources is deprecated)
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_cfg,
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
@@ -308,6 +316,7 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
             worker_runtime_env={"env_vars": worker_env} if worker_env else None,
         ),
         datasets={"train": ds_train, "val": ds_val},
+        dataset_config=DataConfig(execution_options=ingest) if offline and cfg.train.ordered_ingest else None,
     )
     marker = NonFiniteMarker.path(loop_cfg)
     if paths.fs.exists(marker):
