@@ -931,7 +931,6 @@ def train_loop_per_worker(config: dict) -> None:
     comm, hooks, pos = _Collective(world, device), config.get("hooks") or WorkerHooks(), resumed or DataPosition()
     hooks.start(rank)
     shards = _Shards(step, comm, int(tc.get("cache_shard_mib", 0)))
-    tcmalloc = float(tcmalloc_loaded())
 
     def evaluate() -> dict:
         sums = step.evaluate(shards.epoch("val", 0, set()))
@@ -979,7 +978,7 @@ def train_loop_per_worker(config: dict) -> None:
                           "epoch_tail_samples": comm.all_sum({"n": float(tail)})["n"],
                           "truncated_samples": comm.all_sum({"n": float(batches.truncated)})["n"],
                           **{f"worker_{k}": round(v, 1) for k, v in step.seconds.items()},
-                          "worker_tcmalloc": comm.all_sum({"n": tcmalloc})["n"] / world}
+                          "worker_tcmalloc": comm.all_sum({"n": float(tcmalloc_loaded())})["n"] / world}
                 _report(config, step, rank, pos, mine, report)
                 sums, tokens_since, t_last = {}, 0, time.time()
             if pos.step >= tc["max_steps"]:
