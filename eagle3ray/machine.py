@@ -96,6 +96,18 @@ def cpu_engine_env(device: str) -> dict[str, str]:
     return {"LD_PRELOAD": f"{lib}:{current}" if current else lib}
 
 
+def tcmalloc_loaded() -> bool:
+    """Whether this process has a tcmalloc mapped (``/proc/self/maps``; False where that file does not exist).
+    CPU Ray Train workers start with it preloaded where it is installed (:func:`cpu_engine_env`); each train
+    metrics row says so as ``worker_tcmalloc``: the fraction of ranks that have it (1.0 on a CPU machine with tcmalloc
+    installed, 0.0 on GPU workers or with ``EAGLE3RAY_CPU_PRELOAD=off``)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libtcmalloc" in f.read()
+    except OSError:
+        return False
+
+
 def engine_actor_options(v) -> dict:
     """``ray.remote`` options of a dedicated vLLM engine actor (regeneration's engine, validation's engines) for the
     verifier section ``v``: its CPUs and GPUs, and on CPU the :func:`cpu_engine_env` environment it must start with."""

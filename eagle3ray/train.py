@@ -301,8 +301,11 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
     # samples and order. Without it the read tasks' finishing order decided, and two runs on the same blocks
     # differed from their first step (benchmarks/train_determinism.py, docs/results.md). Online and hybrid runs
     # stream states as the verifier produces them: their order stays the producer's.
-    ingest = copy.deepcopy(ray.data.DataContext.get_current().execution_options)  # what Ray Train would use
-    ingest.preserve_order = True  # (DataConfig.default_ingest_options() warns that exclude_resources is deprecated)
+    dataset_config = None
+    if offline and cfg.train.ordered_ingest:
+        ingest = copy.deepcopy(ray.data.DataContext.get_current().execution_options)  # what Ray Train would use
+        ingest.preserve_order = True  # (DataConfig.default_ingest_options() warns: exclude_resources is deprecated)
+        dataset_config = DataConfig(execution_options=ingest)
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_cfg,
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
@@ -316,7 +319,7 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
             worker_runtime_env={"env_vars": worker_env} if worker_env else None,
         ),
         datasets={"train": ds_train, "val": ds_val},
-        dataset_config=DataConfig(execution_options=ingest) if offline and cfg.train.ordered_ingest else None,
+        dataset_config=dataset_config,
     )
     marker = NonFiniteMarker.path(loop_cfg)
     if paths.fs.exists(marker):

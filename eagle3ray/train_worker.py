@@ -38,6 +38,7 @@ import numpy as np
 from . import blocks, check_code_fingerprint, storage
 from .artifacts import metrics_path, progress_path
 from .draft import TRAINABLE_FILE, build_draft
+from .machine import tcmalloc_loaded
 from .packing import pack_by_tokens
 
 log = logging.getLogger(__name__)
@@ -892,18 +893,6 @@ def _check_epoch_trained(pos: DataPosition, epoch_start: int, fresh: bool, world
         raise RuntimeError(f"epoch {pos.epoch}: no batch for some worker of {world} (Ray Train gives each worker "
                            "an equal share of the rows, none when there are fewer rows than workers); extract more "
                            "samples or lower train.num_workers")
-
-
-def tcmalloc_loaded() -> bool:
-    """Whether this process has a tcmalloc mapped (``/proc/self/maps``; False where that file does not exist).
-    CPU workers start with it preloaded where it is installed (:func:`eagle3ray.machine.cpu_engine_env`); each
-    metrics row says so as ``worker_tcmalloc``: the fraction of ranks that have it (1.0 on a CPU machine with tcmalloc
-    installed, 0.0 on GPU workers or with ``EAGLE3RAY_CPU_PRELOAD=off``)."""
-    try:
-        with open("/proc/self/maps") as f:
-            return "libtcmalloc" in f.read()
-    except OSError:
-        return False
 
 
 def train_loop_per_worker(config: dict) -> None:

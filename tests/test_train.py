@@ -588,8 +588,7 @@ def test_cpu_workers_start_with_tcmalloc_where_it_is_installed(trained):
     """The Ray Train workers' own /proc/self/maps (reported per checkpoint as ``worker_tcmalloc``) show tcmalloc
     exactly when eagle3ray.machine.cpu_engine_env would preload it (or this process already has it)."""
     from eagle3ray.artifacts import read_metrics
-    from eagle3ray.machine import cpu_engine_env
-    from eagle3ray.train_worker import tcmalloc_loaded
+    from eagle3ray.machine import cpu_engine_env, tcmalloc_loaded
 
     cfg, _, _, _ = trained
     rows = [r for r in read_metrics(storage.run_paths(cfg)) if "worker_tcmalloc" in r]
