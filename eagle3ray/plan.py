@@ -60,16 +60,17 @@ OVERHEADS = {
     "train_overhead": 1.77,       # a Ray Train step over the probe's plain DraftStep.step: the worker also waits
                                   # for its Ray Data shard, 0.25-0.6x the step (metrics.jsonl worker_data_s vs
                                   # worker_step_s); refitted on the two default runs of 2026-12-02 (docs/plan.md)
-    "train_overhead_cached": 1.35,  # the same when every worker's share fits train.cache_shard_mib: epochs after
-                                    # the first replay it from memory; fitted on one run of 2026-12-04 (1.26 on
-                                    # an EPYC where the streamed fit was 1.62) scaled to the streamed fit
-                                    # (docs/plan.md)
+    "train_overhead_replay": 1.14,  # the same for an epoch replayed from train.cache_shard_mib's memory (every
+                                    # epoch after the first, when each worker's share fits): fitted so that three
+                                    # passes, (1.77 + 2 x 1.14) / 3 = 1.35, meet the run of 2026-12-04 it was fitted
+                                    # on (session 23) and session 26's (385.9 s against 384); docs/plan.md
     "eval_fraction": 0.05,        # held-out evaluations, as a fraction of training time
     "export_s": 2.0,
     "validate_fixed_s": 10.0,
     "engine_actor_s": 3.0,        # per validation engine: Ray actor start, on top of the probe's fresh-process start
     "engines_together": 0.8,      # each further engine started together adds this fraction of one engine's start
-                                  # (two: 32-37 s against 18-22 s alone; docs/results.md, session 19)
+                                  # (two: 32-37 s against 18-22 s alone; docs/results.md, session 19); used where
+                                  # the probe did not measure it (Rates.engines_together; older plans, stated rates)
     "val_decode_efficiency": 0.55,  # validation's tokens/s over the probe's at its batch (MT-Bench's longer
                                     # prompts, 128-token answers, the batch's tail)
     "spec_slowdown": 1.9,         # the engine with the draft over the one without, CPU (validate.json's speedup)
@@ -116,6 +117,9 @@ class Rates:
     machine: dict = field(default_factory=dict)
     state_bytes_per_token: float = 0.0  # one token's row in a block, uncompressed (states + ids), bytes; what a
                                         # worker's shard cache holds. 0 (older plans, stated rates): unknown
+    engines_together: float = -1.0  # each further fresh process started together adds this fraction of one's
+                                    # start, measured by the probe (two warm ``import torch, vllm`` at once against
+                                    # one, clipped to [0, 1]); -1 (older plans, stated rates): OVERHEADS' figure
 
     @classmethod
     def from_dict(cls, d: dict) -> "Rates":
@@ -143,14 +147,26 @@ def shard_cached(cfg, rates: Rates, n: int) -> bool:
             and share <= t.cache_shard_mib * 2**20)
 
 
-def _step_s(cfg, rates: Rates, tps: float, n: int = 0) -> float:
-    """Estimated wall seconds of one optimizer step in the train stage for n training samples. Online
-    (``train.data_source``), the step's tokens are extracted again for it: on one machine the verifier and the
-    workers share the cores, so the two times add (on a cluster with separate pools they would overlap; not
-    modelled)."""
+def train_overhead(cfg, rates: Rates, n: int = 0, steps: int = 0) -> float:
+    """A Ray Train step over the probe's plain step, for ``steps`` steps over n training samples: the streamed
+    ``train_overhead`` for the first epoch's steps; when each worker's share fits the shard cache
+    (:func:`shard_cached`), ``train_overhead_replay`` for the later epochs' steps, which replay it from memory. So
+    1.5 passes pay the streamed figure on two thirds of their steps, 3 passes on one third (docs/plan.md)."""
     o, t = OVERHEADS, cfg.train
-    overhead = o["train_overhead_cached"] if n and shard_cached(cfg, rates, n) else o["train_overhead"]
-    step = rates.train_step_s * overhead * (1 + o["eval_fraction"])
+    if not (n and steps and shard_cached(cfg, rates, n)):
+        return o["train_overhead"]
+    epoch_steps = n * (1 - t.val_fraction) * tokens_per_sample(cfg, rates) / (t.max_tokens_per_batch * t.num_workers)
+    first = min(1.0, epoch_steps / steps)
+    return first * o["train_overhead"] + (1 - first) * o["train_overhead_replay"]
+
+
+def _step_s(cfg, rates: Rates, tps: float, n: int = 0, steps: int = 0) -> float:
+    """Estimated wall seconds of one optimizer step in the train stage, averaged over ``steps`` steps for n
+    training samples (:func:`train_overhead`). Online (``train.data_source``), the step's tokens are extracted
+    again for it: on one machine the verifier and the workers share the cores, so the two times add (on a
+    cluster with separate pools they would overlap; not modelled)."""
+    o, t = OVERHEADS, cfg.train
+    step = rates.train_step_s * train_overhead(cfg, rates, n, steps) * (1 + o["eval_fraction"])
     if t.data_source == "online":
         step += t.max_tokens_per_batch * t.num_workers / (rates.prefill_tok_s * o["extract_efficiency"])
     return step
@@ -189,7 +205,7 @@ def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
                                               + answers / rates.decode_tok_s) / o["regen_efficiency"]
                                       if d.regenerate else 0.0)
     extract = o["extract_fixed_s"] + load + n * tps / (rates.prefill_tok_s * o["extract_efficiency"])
-    train = o["train_fixed_s"] + steps * _step_s(cfg, rates, tps, n)
+    train = o["train_fixed_s"] + steps * _step_s(cfg, rates, tps, n, steps)
     if cfg.train.data_source == "online":  # no extract stage; train streams the held-out states once, then its
         train += load + n * cfg.train.val_fraction * tps / (rates.prefill_tok_s * o["extract_efficiency"])
         extract = 0.0
@@ -209,7 +225,8 @@ def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
     engines = drafts + 1 + (2 if check else 0)  # started in groups of engines_at_once, in this order
     at_once = engines_at_once(vc, v.device)
     groups = [min(at_once, engines - i) for i in range(0, engines, at_once)]
-    starts = sum(engine * (1 + o["engines_together"] * (g - 1)) for g in groups)
+    together = rates.engines_together if rates.engines_together >= 0 else o["engines_together"]
+    starts = sum(engine * (1 + together * (g - 1)) for g in groups)
     validate = o["validate_fixed_s"] + starts + len(vc.temperatures) * gen * (1 + drafts * o["spec_slowdown"]) + (
         gen * (1 + o["spec_slowdown"]) if check else 0.0)  # the check pair decodes at T=0 only
     return {"prepare": prepare, "extract": extract, "vocab": o["vocab_s"], "train": train, "export": export,
@@ -236,9 +253,11 @@ def make_plan(cfg, rates: Rates, budget_s: float) -> dict:
     if fixed_n is not None:
         n = fixed_n
         if fixed_s is None:  # fit the steps around the given data
-            per = _step_s(cfg, rates, tokens_per_sample(cfg, rates), n)
-            base = total(n) - sizes(n)[1] * per  # everything but the steps
-            steps = max(1, int((target - base) / per))
+            tps = tokens_per_sample(cfg, rates)
+            base = total(n) - sizes(n)[1] * _step_s(cfg, rates, tps, n, sizes(n)[1])  # everything but the steps
+            steps = sizes(n)[1]
+            for _ in range(4):  # a step's cost depends on how many epochs the steps make (train_overhead)
+                steps = max(1, int((target - base) / _step_s(cfg, rates, tps, n, steps)))
         else:
             steps = fixed_s
     else:
@@ -301,27 +320,42 @@ def stated_rates(cfg) -> Rates | None:
     given = cfg.run.plan_rates
     if not given:
         return None
-    optional = ("probe_s", "machine", "engine_start_s", "state_bytes_per_token")
+    optional = ("probe_s", "machine", "engine_start_s", "state_bytes_per_token", "engines_together")
     need = [k for k in Rates.__dataclass_fields__ if k not in optional and k not in given]
     if need:
         raise ValueError(f"run.plan_rates lacks {', '.join(need)} (see eagle3ray.plan.Rates; docs/plan.md)")
     return Rates.from_dict({**given, "probe_s": 0.0, "machine": {"cpu_model": "stated (run.plan_rates)"}})
 
 
-def _warm_import_s() -> float:
-    """Wall seconds a fresh interpreter takes to import torch and vLLM now that this process has (page cache warm,
-    bytecode compiled): what each validation engine's process pays before its load, late in a run.
+def _warm_import_s(together: int = 1) -> float:
+    """Wall seconds until ``together`` fresh interpreters, started at once, have each imported torch and vLLM, now
+    that this process has (page cache warm, bytecode compiled): what a validation engine's process pays before
+    its load, late in a run, and (``together`` > 1) how much such starts slow each other on this machine.
 
     The probe's own process age at its engine's load also counts a first import on a cold machine (27 s of a 46 s
     start on an AMD EPYC whose validation engines then started in 16-24 s, two together: docs/plan.md); the probe
     takes the smaller of the two. A failed import counts as infinite (the process age is used).
     """
-    import subprocess
-    import sys
-
     t = time.time()
-    p = subprocess.run([sys.executable, "-c", "import torch, vllm"], capture_output=True, timeout=300)
-    return time.time() - t if p.returncode == 0 else float("inf")
+    procs = [subprocess.Popen([sys.executable, "-c", "import torch, vllm"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for _ in range(together)]
+    try:
+        ok = all(p.wait(timeout=300) == 0 for p in procs)
+    except subprocess.TimeoutExpired:
+        ok = False
+    finally:
+        for p in procs:
+            p.kill()
+    return time.time() - t if ok else float("inf")
+
+
+def together_factor(alone_s: float, together_s: float, n: int = 2) -> float:
+    """What each further process started together adds, as a fraction of one alone: ``(together_s / alone_s - 1)
+    / (n - 1)``, clipped to [0, 1] (0: the starts overlap fully, 1: they take turns). -1 when either time is
+    unknown (a failed or zero measurement), so that :func:`estimate` falls back to ``OVERHEADS``."""
+    if not (0 < alone_s < float("inf") and 0 < together_s < float("inf")) or n < 2:
+        return -1.0
+    return min(1.0, max(0.0, (together_s / alone_s - 1) / (n - 1)))
 
 
 def _probe_here(cfg) -> Rates:
@@ -334,6 +368,7 @@ def _probe_here(cfg) -> Rates:
 
     from .machine import cpu_bf16_is_fast, cpu_flags, resolve_autocast
     from .prepare import RejectCounter, _prompt_ids, collect_records
+    from .validate import engines_at_once
     from .serving_engine import ServingEngine
     from .verifier import VerifierSpec
 
@@ -393,18 +428,23 @@ def _probe_here(cfg) -> Rates:
     gc.collect()
     t_engine = time.time() - t
     warm_import = _warm_import_s()
+    # validation starts its engines in groups (validate.engines_at_once); how much two fresh starts slow each other
+    # differs by machine (none on a Xeon with AMX-BF16, ~0.7 on an AMD EPYC: docs/plan.md), so it is measured
+    at_once = engines_at_once(cfg.validation, v.device)
+    together = together_factor(warm_import, _warm_import_s(at_once), at_once) if at_once > 1 else -1.0
     engine_start = min(engine_start, load + warm_import)
     t_step = time.time()
     step_s = _probe_train_step(cfg, spec, float(sum(map(len, prompts)) / len(prompts)))
     from .blocks import bytes_per_token
 
-    log.warning("probe: records %.1f s, engine %.1f s (load %.1f), warm import %.1f s, train step %.1f s", t - t0,
-                t_engine, load, warm_import, time.time() - t_step)
+    log.warning("probe: records %.1f s, engine %.1f s (load %.1f), warm import %.1f s (engines together %.2f), "
+                "train step %.1f s", t - t0, t_engine, load, warm_import, together, time.time() - t_step)
     flags = cpu_flags()
     return Rates(engine_load_s=load, engine_start_s=engine_start, prefill_tok_s=prefill, decode_tok_s=dec,
                  decode_batch=batch, val_decode_tok_s=vdec, val_batch=vbatch,
                  prompt_tokens_mean=float(sum(map(len, prompts)) / len(prompts)),
                  kept_fraction=len(recs) / max(1, read), train_step_s=step_s, probe_s=time.time() - t0,
+                 engines_together=together,
                  state_bytes_per_token=bytes_per_token(len(spec.layer_ids), spec.model_identity["hidden_size"],
                                                        cfg.extract.storage_dtype) + ROW_BYTES_PER_TOKEN,
                  machine={"cpu_model": _cpu_model(), "amx_bf16": "amx_bf16" in flags,

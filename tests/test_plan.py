@@ -214,10 +214,42 @@ def test_validate_estimate_starts_engines_in_groups_from_the_fresh_process_start
     assert P.Rates.from_dict({**dataclasses.asdict(RATES)}).engine_start_s == 0.0
 
 
+def test_validate_estimate_uses_the_probes_measured_together_factor(tmp_path):
+    """Engines started together slow each other by a machine's own factor (the probe's ``engines_together``): 0
+    makes a group of two cost one start, 1 two starts; -1 (older plans, stated rates) keeps OVERHEADS' figure."""
+    import dataclasses
+
+    o = P.OVERHEADS
+    cfg = cfg_for(tmp_path, "verifier.dtype=float32")
+    gen = cfg.validation.max_prompts * cfg.validation.max_new_tokens / (
+        RATES.val_decode_tok_s * o["val_decode_efficiency"])
+    decode = gen * (1 + o["spec_slowdown"])
+    one = 20.0 + o["engine_actor_s"]
+
+    def val(f):
+        return P.estimate(cfg, dataclasses.replace(RATES, engine_start_s=20.0, engines_together=f), 100, 100)["validate"]
+
+    assert val(0.0) == pytest.approx(o["validate_fixed_s"] + one + decode)
+    assert val(1.0) == pytest.approx(o["validate_fixed_s"] + 2 * one + decode)
+    assert val(-1.0) == pytest.approx(o["validate_fixed_s"] + one * (1 + o["engines_together"]) + decode)
+    assert P.Rates.from_dict({**dataclasses.asdict(RATES)}).engines_together == -1.0  # older plans
+
+
+def test_the_together_factor_is_clipped_and_unknown_when_a_time_is():
+    assert P.together_factor(10.0, 10.0) == 0.0
+    assert P.together_factor(10.0, 17.0) == pytest.approx(0.7)
+    assert P.together_factor(10.0, 9.0) == 0.0       # noise below one alone: they overlap fully
+    assert P.together_factor(10.0, 30.0) == 1.0      # slower than taking turns: capped
+    assert P.together_factor(10.0, 25.0, n=3) == pytest.approx(0.75)
+    assert P.together_factor(float("inf"), 10.0) == -1.0
+    assert P.together_factor(10.0, float("inf")) == -1.0
+    assert P.together_factor(0.0, 10.0) == -1.0
+
+
 def test_a_share_that_fits_the_shard_cache_plans_cheaper_steps_and_so_more_data(tmp_path):
     """train.cache_shard_mib: when every worker's planned share of the states fits it (the probe's
-    state_bytes_per_token), the train term uses train_overhead_cached; a share over it, a cache of 0, online
-    training or an older plan without state_bytes_per_token keep the streamed overhead."""
+    state_bytes_per_token), the epochs after the first cost train_overhead_replay a step; a share over it, a cache
+    of 0, online training or an older plan without state_bytes_per_token keep the streamed overhead throughout."""
     from dataclasses import replace
 
     rates = replace(RATES, state_bytes_per_token=4613.0)  # SmolLM2: 4 x 576 bf16 + ids
@@ -230,8 +262,16 @@ def test_a_share_that_fits_the_shard_cache_plans_cheaper_steps_and_so_more_data(
     online = cfg_for(tmp_path, "run.time_budget=15m", "train.cache_shard_mib=2048", "train.data_source=online")
     assert not P.shard_cached(online, rates, 500)
     tps = P.tokens_per_sample(cached, rates)
-    ratio = P._step_s(cached, rates, tps, 500) / P._step_s(streamed, rates, tps, 500)
-    assert ratio == pytest.approx(P.OVERHEADS["train_overhead_cached"] / P.OVERHEADS["train_overhead"])
+    o = P.OVERHEADS
+    three = P.steps_for(cached, 500, rates)  # train.planned_epochs 3: one streamed epoch, two replayed
+    ratio = P._step_s(cached, rates, tps, 500, three) / P._step_s(streamed, rates, tps, 500, three)
+    assert ratio == pytest.approx((o["train_overhead"] + 2 * o["train_overhead_replay"]) / 3 / o["train_overhead"],
+                                  rel=0.01)
+    # fewer passes replay less: 1.5 pay the streamed figure on two thirds of their steps, one pass on all
+    assert P.train_overhead(cached, rates, 500, three // 2) == pytest.approx(
+        (2 * o["train_overhead"] + o["train_overhead_replay"]) / 3, rel=0.01)
+    assert P.train_overhead(cached, rates, 500, three // 3) == pytest.approx(o["train_overhead"], rel=0.01)
+    assert P.train_overhead(streamed, rates, 500, three) == o["train_overhead"]
     a, b = P.make_plan(streamed, rates, 900), P.make_plan(cached, rates, 900)
     assert b["max_samples"] > a["max_samples"] and b["max_steps"] > a["max_steps"]
     assert b["total_s"] <= 900 and b["rates"]["state_bytes_per_token"] == 4613.0
@@ -245,5 +285,8 @@ def test_the_probes_warm_import_is_timed_in_a_fresh_interpreter_and_a_failure_is
 
     t = P._warm_import_s()
     assert 0.0 < t < 300.0
+    pair = P._warm_import_s(2)  # two interpreters at once: each still imports (not a no-op)
+    assert 0.0 < pair < 300.0
     monkeypatch.setattr(sys, "executable", "/bin/false")
     assert P._warm_import_s() == float("inf")
+    assert P._warm_import_s(2) == float("inf")
