@@ -131,18 +131,22 @@ def tokens_per_sample(cfg, rates: Rates) -> float:
     return rates.prompt_tokens_mean + cfg.data.max_new_tokens * OVERHEADS["answer_fill"]
 
 
+def train_tokens(cfg, n: int, rates: Rates) -> float:
+    """Estimated tokens of n samples' training split (``train.val_fraction`` held out)."""
+    return n * (1 - cfg.train.val_fraction) * tokens_per_sample(cfg, rates)
+
+
 def steps_for(cfg, n: int, rates: Rates) -> int:
     """``train.planned_epochs`` passes over n samples' tokens, in steps of ``train.max_tokens_per_batch`` per worker."""
     t = cfg.train
-    tokens = n * (1 - t.val_fraction) * tokens_per_sample(cfg, rates)
-    return max(1, math.ceil(t.planned_epochs * tokens / (t.max_tokens_per_batch * t.num_workers)))
+    return max(1, math.ceil(t.planned_epochs * train_tokens(cfg, n, rates) / (t.max_tokens_per_batch * t.num_workers)))
 
 
 def shard_cached(cfg, rates: Rates, n: int) -> bool:
     """Whether each train worker's share of n samples' states fits ``train.cache_shard_mib`` (offline runs, with
     the probe's ``state_bytes_per_token``), so that epochs after the first replay it from memory."""
     t = cfg.train
-    share = n * (1 - t.val_fraction) * tokens_per_sample(cfg, rates) * rates.state_bytes_per_token / t.num_workers
+    share = train_tokens(cfg, n, rates) * rates.state_bytes_per_token / t.num_workers
     return (t.cache_shard_mib > 0 and t.data_source == "offline" and rates.state_bytes_per_token > 0
             and share <= t.cache_shard_mib * 2**20)
 
@@ -155,8 +159,7 @@ def train_overhead(cfg, rates: Rates, n: int = 0, steps: int = 0) -> float:
     o, t = OVERHEADS, cfg.train
     if not (n and steps and shard_cached(cfg, rates, n)):
         return o["train_overhead"]
-    epoch_steps = n * (1 - t.val_fraction) * tokens_per_sample(cfg, rates) / (t.max_tokens_per_batch * t.num_workers)
-    first = min(1.0, epoch_steps / steps)
+    first = min(1.0, train_tokens(cfg, n, rates) / (t.max_tokens_per_batch * t.num_workers) / steps)
     return first * o["train_overhead"] + (1 - first) * o["train_overhead_replay"]
 
 
