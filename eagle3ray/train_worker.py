@@ -961,13 +961,13 @@ def train_loop_per_worker(config: dict) -> None:
                                          "acc0": m.get("full_acc_0"), "time": time.time()})
             if pos.step % tc["checkpoint_every"] == 0 or pos.step >= tc["max_steps"]:
                 dt, train_m = time.time() - t_last, summarize(comm.all_sum(sums), tc["ttt_steps"], "train_")
-                tok = comm.all_sum({"t": float(tokens_since)})["t"]
+                counts = comm.all_sum({"t": float(tokens_since), "tail": float(tail), "cut": float(batches.truncated),
+                                       "tcmalloc": float(tcmalloc_loaded())})  # one collective for the counts
                 report = {"step": pos.step, "epoch": pos.epoch, **train_m, **evaluate(),
-                          "tokens": tok, "tokens_per_s": tok / max(dt, 1e-9), "lr": step.lr,
-                          "epoch_tail_samples": comm.all_sum({"n": float(tail)})["n"],
-                          "truncated_samples": comm.all_sum({"n": float(batches.truncated)})["n"],
+                          "tokens": counts["t"], "tokens_per_s": counts["t"] / max(dt, 1e-9), "lr": step.lr,
+                          "epoch_tail_samples": counts["tail"], "truncated_samples": counts["cut"],
                           **{f"worker_{k}": round(v, 1) for k, v in step.seconds.items()},
-                          "worker_tcmalloc": comm.all_sum({"n": float(tcmalloc_loaded())})["n"] / world}
+                          "worker_tcmalloc": counts["tcmalloc"] / world}
                 _report(config, step, rank, pos, mine, report)
                 sums, tokens_since, t_last = {}, 0, time.time()
             if pos.step >= tc["max_steps"]:
