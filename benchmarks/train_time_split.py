@@ -5,7 +5,9 @@ once, then ``train`` ``--rounds`` times from scratch, and prints per checkpoint 
 (``metrics.jsonl``): tokens/s, ``worker_step_s`` (in ``DraftStep.step``) and ``worker_data_s`` (waiting for a
 decoded, packed batch of the shard, held-out batches included), plus the CPU seconds of the busiest processes
 over each train. ``--iterate`` also times Ray Data's ``iter_batches`` over the run's blocks alone, with and
-without Ray Data's local shuffle buffer (what the worker used before its own shuffle buffer).
+without Ray Data's local shuffle buffer (what the worker used before its own shuffle buffer), read as the train
+stage reads them (``eagle3ray.train.read_blocks``). To compare with Ray's default Parquet reader, run it again with
+``RAY_DATA_USE_DATASOURCE_V2=1`` (docs/plan.md, "Ray Data's Parquet reader").
 
     .venv/bin/python benchmarks/train_time_split.py --steps 150 --every 50
 """
@@ -77,11 +79,11 @@ def main() -> None:
     if split:
         print(f"median over the intervals after the first: waiting for data / step = {statistics.median(split):.2f}")
     if args.iterate:
-        import ray
+        from eagle3ray.train import read_blocks
 
         files = sorted(glob.glob(f"{local}/hidden_states/blocks/*.parquet"))
         for shuf in (64, None):
-            ds = ray.data.read_parquet(files)
+            ds = read_blocks(files, None)
             t0, n = time.perf_counter(), 0
             for bt in ds.iter_batches(batch_size=8, batch_format="pyarrow", local_shuffle_buffer_size=shuf,
                                       local_shuffle_seed=1 if shuf else None):

@@ -308,6 +308,9 @@ def probe(cfg) -> Rates:
     finally:
         os.unlink(f.name)
     lines = [x for x in p.stdout.splitlines() if x.startswith("RATES ")]
+    for x in (p.stderr or "").splitlines():  # the probe's own breakdown (records, engine, imports, train step)
+        if "probe: records" in x:
+            log.info("probe: %s", x.split("probe: ", 1)[1])
     if p.returncode != 0 or not lines:
         raise RuntimeError("the plan's probe failed (run.time_budget):\n" + "\n".join(
             (p.stderr or p.stdout).splitlines()[-25:]))

@@ -224,6 +224,34 @@ def _checked_blocks(cfg, paths: storage.RunPaths, spec) -> list[str]:
     return files
 
 
+def read_blocks(files: list[str], filesystem):
+    """A Ray Data dataset of committed block files (Parquet), read by Ray Data's v1 Parquet reader.
+
+    Ray 2.60's default (v2, ``DataContext.use_datasource_v2``) lists the files on a pool of up to 32
+    ``FooterReader`` actors, a Python process each, started anew at every execution of the dataset: each epoch
+    that streams, each held-out evaluation. On a 2-core machine those starts competed with the train step; a
+    12-step train on Ray's multi-node test cluster took 172 s with v2 and 79 s with v1 (AMD EPYC, no
+    ``amx_bf16``; docs/plan.md, "Ray Data's Parquet reader"). The block files are few and listed by the
+    manifest, so v1's listing in the driver costs nothing. ``RAY_DATA_USE_DATASOURCE_V2=1`` in the environment
+    keeps Ray's default (to compare, or where v1 is gone).
+
+    Args:
+        files: block paths on ``filesystem`` (the manifest's, in order).
+        filesystem: a pyarrow filesystem (:func:`eagle3ray.storage.arrow_filesystem`).
+    """
+    import os
+
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    before = ctx.use_datasource_v2
+    ctx.use_datasource_v2 = os.environ.get("RAY_DATA_USE_DATASOURCE_V2", "0") not in ("0", "", "false", "False")
+    try:  # the flag is read by read_parquet when it builds the datasource only
+        return ray.data.read_parquet(files, filesystem=filesystem)
+    finally:
+        ctx.use_datasource_v2 = before
+
+
 def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=None) -> TrainSummary:
     """Run (or resume, or skip when finished) the train stage of ``cfg``: from the stored blocks
     (``train.data_source: offline``) or from the verifier service's stream (``online``).
@@ -272,8 +300,8 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
     afs = storage.arrow_filesystem(paths.fs)
     if offline:
         n_val = max(1, round(len(files) * cfg.train.val_fraction))
-        ds_train = ray.data.read_parquet(files[:-n_val], filesystem=afs)
-        ds_val = ray.data.read_parquet(files[-n_val:], filesystem=afs)
+        ds_train = read_blocks(files[:-n_val], afs)
+        ds_val = read_blocks(files[-n_val:], afs)
     elif stream is None:
         raise ValueError("train.data_source online: train() needs the stream of states (run the stage through "
                          "eagle3ray.pipeline.run_stage, or pass stream=eagle3ray.online.datasets)")

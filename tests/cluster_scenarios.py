@@ -37,6 +37,13 @@ os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
 ROOT = Path(__file__).resolve().parent.parent
+_T0 = time.time()
+
+
+def mark(what: str) -> None:
+    """A phase's seconds since the scenario's start, on stderr (the test shows it when the scenario fails; run a
+    scenario by hand to see where its time goes)."""
+    print(f"[scenario +{time.time() - _T0:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def free_port() -> int:
@@ -210,7 +217,9 @@ def node_kill(args) -> dict:
     add_node(cluster, num_cpus=0, resources={"verifier_slot": 1})
     cfg = load_config(write_config(workdir, args.verifier, write_data(workdir / "d.jsonl", 120)),
                       [f"ray.address={cluster.address}"])
+    mark("cluster up")
     prep = prepare(cfg)
+    mark("prepared")
     events: dict = {}
 
     def on_commit(man):
@@ -247,6 +256,7 @@ def node_kill(args) -> dict:
     scraping.start()
     s = extract(cfg, on_commit=on_commit, progress=False)
     extract_s = time.time() - t0
+    mark("extracted")
     # the pool re-grows on the node that joined: Serve replaces the dead replica once its health check
     # fails (every 10 s); wait for it if extraction finished first
     deadline = time.time() + 90
@@ -270,9 +280,11 @@ def node_kill(args) -> dict:
 
     prepared_ids = read_conversations(paths)[1]["sample_id"].to_pylist()
     replicas_after = serve_replicas()
+    mark("regrown and checked")
     # training on the same cluster, to see its metrics too
     build_vocab(cfg)
     tr = train(cfg)
+    mark("trained")
     time.sleep(5)  # two report intervals: the last counter values reach the agent
     stop.set()
     scraping.join(timeout=30)  # its Ray calls must end before ray.shutdown(), or one reconnects the driver
@@ -353,7 +365,9 @@ def engine_faults(args) -> dict:
                        "data.regenerate=true", "data.max_new_tokens=8", "verifier.max_num_seqs=8"])
     (faults / "crash_generate_once").touch()
     t0 = time.time()
+    mark("cluster up")
     prep = prepare(cfg)
+    mark("prepared")
     r: dict = {"prepare_seconds": time.time() - t0, "prepared_samples": prep.samples,
                "crash_generate_left": (faults / "crash_generate_once").exists()}
     ids = _committed_ids_of_conversations(cfg)
@@ -362,6 +376,7 @@ def engine_faults(args) -> dict:
     (faults / "hang_extract_once").touch()
     t0 = time.time()
     s = extract(cfg, progress=False)
+    mark("extracted")
     r.update(_committed(cfg), extract_seconds=time.time() - t0, crash_id=crash_id, summary_retries=s.retries,
              hang_left=(faults / "hang_extract_once").exists(), rejected_summary=s.rejected.get("extract", {}))
     ray_shutdown()
@@ -408,7 +423,9 @@ def driver_kill(args) -> dict:
                             train={"max_steps": 12, "checkpoint_every": 3, "num_workers": 1, "val_fraction": 0.2})
     over = [f"ray.address={cluster.address}", "extract.max_replicas=1"]
     cfg = load_config(cfg_path, over)
+    mark("cluster up")
     prepare(cfg)
+    mark("prepared")
     paths = storage.run_paths(cfg)
     commits = f"{paths.hidden_states}/commits"
     env = {**os.environ, "RAY_ADDRESS": cluster.address}
@@ -423,16 +440,19 @@ def driver_kill(args) -> dict:
     _wait_for(lambda: n_commits() >= 3 or p.poll() is not None, 240, "3 commits of the first extract")
     p.send_signal(signal.SIGKILL)  # (a no-op if it already ended: then its rc says so)
     r["extract_killed_rc"] = p.wait()
+    mark("extract killed")
     r["commits_at_kill"] = n_commits()
     r["lease_left"] = paths.fs.exists(paths.sub("writer.lease"))
     r["after_kill"] = _committed(cfg)
     q = subprocess.run([*cli, "extract", "--no-progress", "-c", str(cfg_path), *over], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     r["extract_rerun_rc"], r["extract_rerun_out"] = q.returncode, (q.stdout + q.stderr)[-3000:]
+    mark("extract re-run")
     r["after_rerun"] = _committed(cfg)
     v = subprocess.run([*cli, "vocab", "-c", str(cfg_path), *over], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     r["vocab_rc"] = v.returncode
+    mark("vocab")
     trace = workdir / "trace"
     code = (f"import sys; sys.argv = ['train']\n"
             f"from eagle3ray.config import load_config\nfrom eagle3ray.pipeline import run_stage\n"
@@ -453,6 +473,7 @@ def driver_kill(args) -> dict:
     time.sleep(1.0)
     p.send_signal(signal.SIGKILL)
     r["train_killed_rc"] = p.wait()
+    mark("train killed")
     r["checkpoints_at_kill"] = sorted(c.rsplit("/", 1)[-1] for c in checkpoints())
     # Ray Train's own record of its checkpoints, removed if the killed driver got to write it (it writes it a
     # poll or two after the report, so often it did not): the re-run must find the newest checkpoint on storage by
@@ -464,6 +485,7 @@ def driver_kill(args) -> dict:
     r["ray_record_at_rerun"] = paths.fs.exists(snap)
     q = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
     r["train_rerun_rc"], r["train_rerun_out"] = q.returncode, (q.stdout + q.stderr)[-3000:]
+    mark("train re-run")
     r["traces"] = {}
     for f in sorted(trace.glob("*.jsonl")):
         r["traces"][f.name] = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
@@ -507,8 +529,10 @@ def online_node_kill(args) -> dict:
                                    # also in hybrid mode, whose later epochs read storage
                                    verifier={"stand_in_tokens_per_s": 100}),
                       [f"ray.address={cluster.address}"])
+    mark("cluster up")
     prepare(cfg)
     run_stage(cfg, "vocab", progress=False)
+    mark("prepared, vocab")
     ensure_ray(cfg)  # the scraper asks Ray's state API from the start
     # a node is added from the watcher thread while the main thread trains; Ray's Node registers a SIGTERM handler,
     # which only the main thread may do (this process is never sent SIGTERM)
@@ -532,6 +556,7 @@ def online_node_kill(args) -> dict:
         try:
             _wait_for(lambda: any(trace.glob("*.jsonl")), 300, "the train worker's start")  # training has begun
             victim = _wait_busy_worker_node(cluster, busy)
+            mark(f"node killed at step {steps_done()}")
             events.update(killed=victim.node_id, killed_at_step=steps_done(), replicas_before=serve_replicas())
             cluster.remove_node(victim, allow_graceful=False)
             events["added"] = add_node(cluster, num_cpus=0, resources={"verifier_slot": 1}).node_id
@@ -572,12 +597,14 @@ def online_node_kill(args) -> dict:
         t.start()
     s = _train(cfg, False, hooks=WorkerHooks(trace_dir=str(trace)))
     train_s = time.time() - t0
+    mark("trained")
     if "killed" not in events:
         errors.append(f"training ended (step {steps_done()}) before the watcher killed a node")
     try:
         _wait_for(lambda: events.get("added") in alive_on or not events.get("added"), 90, "a replica on the added node")
     except TimeoutError as e:
         errors.append(f"{e}; replicas: {serve_replicas()}; states: {replica_states()}")
+    mark("regrown")
     time.sleep(3)  # the last counter values reach the metrics agent
     stop.set()
     threads[1].join(timeout=30)
@@ -610,6 +637,7 @@ def main() -> None:
     args = ap.parse_args()
     result = {"placement": placement, "node_kill": node_kill, "service": service, "engine_faults": engine_faults,
               "driver_kill": driver_kill, "online_node_kill": online_node_kill}[args.scenario](args)
+    mark("done")
     print("RESULT " + json.dumps(result, default=str), flush=True)
 
 

@@ -615,3 +615,40 @@ def test_the_same_blocks_settings_and_seed_train_the_same_draft(trained, tmp_pat
     assert len(runs[0][0]) == 6 and len(runs[0][1]) == 3, runs[0]
     assert runs[0][0] == runs[1][0], "the two runs stepped through other samples or in another order"
     assert runs[0][1] == runs[1][1]
+
+
+def _read_ops(ds) -> list[str]:
+    """The logical plan's operators of a Ray Data dataset, read op last (``Read`` for v1, ``ReadFiles`` after
+    ``ListFiles`` for v2)."""
+    op, names = ds._logical_plan.dag, []
+    while op is not None:
+        names.append(type(op).__name__)
+        op = op.input_dependencies[0] if op.input_dependencies else None
+    return names
+
+
+def test_blocks_are_read_with_ray_datas_v1_parquet_reader_not_its_footer_reader_pool(trained, monkeypatch):
+    """``train.read_blocks`` builds Ray Data's v1 Parquet read (one ``Read`` over the listed files), not v2's
+    ``ListFiles``/``ReadFiles``, whose ``FooterReader`` actor pool started up to 32 processes at every epoch and
+    held-out evaluation (docs/plan.md, "Ray Data's Parquet reader"); ``RAY_DATA_USE_DATASOURCE_V2=1`` keeps v2, and
+    Ray Data's own setting is left as it was either way."""
+    import ray
+
+    from eagle3ray.train import read_blocks
+
+    from eagle3ray import blocks
+
+    cfg, _, _, _ = trained
+    paths = storage.run_paths(cfg)
+    man, _ = blocks.read_committed(paths.fs, paths.hidden_states)
+    files = [f"{paths.hidden_states}/{b['path']}" for b in man["blocks"]]
+    ctx = ray.data.DataContext.get_current()
+    before = ctx.use_datasource_v2
+    monkeypatch.delenv("RAY_DATA_USE_DATASOURCE_V2", raising=False)
+    ds = read_blocks(files, storage.arrow_filesystem(paths.fs))
+    assert _read_ops(ds)[-1] == "Read" and "ListFiles" not in _read_ops(ds)
+    assert ds.count() == man["counts"]["samples"]  # every committed sample, one row each
+    assert ctx.use_datasource_v2 == before
+    monkeypatch.setenv("RAY_DATA_USE_DATASOURCE_V2", "1")
+    assert _read_ops(read_blocks(files, storage.arrow_filesystem(paths.fs)))[-2:] == ["ReadFiles", "ListFiles"]
+    assert ctx.use_datasource_v2 == before
