@@ -231,13 +231,14 @@ def read_blocks(files: list[str], filesystem):
     ``FooterReader`` actors, a Python process each, started anew at every execution of the dataset: each epoch
     that streams, each held-out evaluation. On a 2-core machine those starts competed with the train step; a
     12-step train on Ray's multi-node test cluster took 172 s with v2 and 79 s with v1 (AMD EPYC, no
-    ``amx_bf16``; docs/plan.md, "Ray Data's Parquet reader"). The block files are few and listed by the
-    manifest, so v1's listing in the driver costs nothing. ``RAY_DATA_USE_DATASOURCE_V2=1`` in the environment
-    keeps Ray's default (to compare, or where v1 is gone).
+    ``amx_bf16``; docs/plan.md, "Ray Data's Parquet reader"). The manifest lists the block files; v1 reads their
+    metadata from the driver (and samples a few with Ray tasks) once, when the dataset is built; with 100k blocks
+    on object storage that cost is not measured yet. ``RAY_DATA_USE_DATASOURCE_V2=1`` in the environment keeps
+    Ray's default (to compare, or where v1 is gone).
 
     Args:
         files: block paths on ``filesystem`` (the manifest's, in order).
-        filesystem: a pyarrow filesystem (:func:`eagle3ray.storage.arrow_filesystem`).
+        filesystem: a pyarrow filesystem (:func:`eagle3ray.storage.arrow_filesystem`), or None for local paths.
     """
     import os
 

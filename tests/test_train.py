@@ -634,9 +634,8 @@ def test_blocks_are_read_with_ray_datas_v1_parquet_reader_not_its_footer_reader_
     Ray Data's own setting is left as it was either way."""
     import ray
 
-    from eagle3ray.train import read_blocks
-
     from eagle3ray import blocks
+    from eagle3ray.train import read_blocks
 
     cfg, _, _, _ = trained
     paths = storage.run_paths(cfg)
