@@ -69,5 +69,11 @@ if [ "$flavour" = cpu ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib64/l
     echo "setup: install libtcmalloc-minimal4 (or your system's tcmalloc) for 1.1x faster CPU engines"
   fi
 fi
+# Compile every installed module to bytecode once, here. Where Python may not write its own .pyc files
+# (PYTHONDONTWRITEBYTECODE=1, as on this project's machines) every process would otherwise compile torch, vLLM,
+# transformers and Ray from source at each import: each engine, Ray worker and probe process of a run, and every
+# test's (docs/results.md, "Bytecode compiled at set-up"). compileall skips what is already compiled; a few
+# files that are not Python 3 (packages' test data) fail to compile, harmlessly.
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages >/dev/null 2>&1 || true
 .venv/bin/python -c "import vllm, speculators, transformers, ray; print('setup ok: vllm', vllm.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)"
 touch "$stamp"
