@@ -435,7 +435,9 @@ class TrainSection(_Strict):
         "'ones' (speculators' and SpecForge's init) or 'verifier', the verifier's own final norm, the scale that "
         "lm_head was trained with (docs/results.md).")
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints (and held-out evaluations).")
-    val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of committed blocks held out (>= 1 block).")
+    val_fraction: float = Field(0.1, ge=0, lt=1, description=(
+        "Share of the committed tokens held out for evaluation: the last blocks, as few as hold it "
+        "(>= 1 block; train.held_out_split)."))
     shuffle_buffer_rows: int = Field(
         64, ge=0, description="Shuffle buffer on each train worker, in samples (rows of hidden states held in memory).")
     cache_shard_mib: int = Field(

@@ -208,9 +208,38 @@ def best_of_history(history: list[dict]) -> dict:
                key=lambda m: m["val_full_acc_0"], default={})
 
 
-def _checked_blocks(cfg, paths: storage.RunPaths, spec) -> list[str]:
-    """The committed blocks' paths of a complete extraction, each checked against its manifest entry
-    (``train.verify_blocks``) and the manifest against the draft this config builds. Errors: see :func:`train`."""
+def held_out_split(files: list[str], tokens: list[int], fraction: float) -> tuple[list[str], list[str]]:
+    """Split committed blocks (manifest order) into training and held-out blocks: the held-out ones are the last
+    blocks, as few as hold at least ``fraction`` of the committed tokens (at least one block, and at least one left
+    to train on). Counting blocks instead (``round(len(files) * fraction)``, before 2026-12-07) held out only the
+    last block when a run had few of them: in a 170-conversation run of 8 blocks that was the extraction's 73-token
+    tail, one sample, and its "held-out accuracy" read 0.78 (docs/results.md, session 29).
+
+    Args:
+        files: block paths, in the manifest's order.
+        tokens: each block's token count (the manifest entry's ``tokens``), same order.
+        fraction: ``train.val_fraction``, in [0, 1).
+
+    Returns:
+        (training files, held-out files).
+
+    Raises:
+        ValueError: fewer than 2 blocks, or ``tokens`` not one count per file.
+    """
+    if len(files) < 2 or len(tokens) != len(files):
+        raise ValueError(f"held_out_split needs >= 2 blocks with one token count each (got {len(files)} blocks, "
+                         f"{len(tokens)} counts)")
+    target, held, n = fraction * sum(tokens), 0, 0
+    while n < len(files) - 1 and (n == 0 or held < target):
+        n += 1
+        held += tokens[-n]
+    return files[:-n], files[-n:]
+
+
+def _checked_blocks(cfg, paths: storage.RunPaths, spec) -> tuple[list[str], list[int]]:
+    """The committed blocks' paths of a complete extraction and their token counts, each block checked against its
+    manifest entry (``train.verify_blocks``) and the manifest against the draft this config builds. Errors: see
+    :func:`train`."""
     man, files = blocks.read_committed(paths.fs, paths.hidden_states)
     if not man.get("complete"):
         raise FileNotFoundError(f"{paths.uri}/hidden_states: extraction is not complete; run `eagle3ray extract`")
@@ -221,7 +250,7 @@ def _checked_blocks(cfg, paths: storage.RunPaths, spec) -> list[str]:
     if len(files) < 2:
         raise ValueError(f"{paths.uri}/hidden_states has {len(files)} block(s); training needs >= 2 "
                          "(one is held out). Extract more samples or lower extract.max_tokens_per_batch.")
-    return files
+    return files, [int(b["tokens"]) for b in man["blocks"]]
 
 
 def read_blocks(files: list[str], filesystem):
@@ -287,7 +316,7 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
     storage.write_resolved_config(cfg, paths)
     spec = VerifierSpec.from_config(cfg)
     offline = cfg.train.data_source == "offline" or (cfg.train.data_source == "hybrid" and stream is None)
-    files = _checked_blocks(cfg, paths, spec) if offline else []
+    files, tokens = _checked_blocks(cfg, paths, spec) if offline else ([], [])
     ck = paths.sub("checkpoints")
     tc = cfg.train.model_dump()
     _supersede_if_settings_changed(paths, ck, train_settings(cfg, paths))
@@ -300,9 +329,9 @@ def train(cfg, hooks: WorkerHooks | None = None, progress: bool = False, stream=
     ensure_ray(cfg)
     afs = storage.arrow_filesystem(paths.fs)
     if offline:
-        n_val = max(1, round(len(files) * cfg.train.val_fraction))
-        ds_train = read_blocks(files[:-n_val], afs)
-        ds_val = read_blocks(files[-n_val:], afs)
+        train_files, val_files = held_out_split(files, tokens, cfg.train.val_fraction)
+        ds_train = read_blocks(train_files, afs)
+        ds_val = read_blocks(val_files, afs)
     elif stream is None:
         raise ValueError("train.data_source online: train() needs the stream of states (run the stage through "
                          "eagle3ray.pipeline.run_stage, or pass stream=eagle3ray.online.datasets)")

@@ -72,7 +72,7 @@ fi
 # Compile every installed module to bytecode once, here. Where Python may not write its own .pyc files
 # (PYTHONDONTWRITEBYTECODE=1, as on this project's machines) every process would otherwise compile torch, vLLM,
 # transformers and Ray from source at each import: each engine, Ray worker and probe process of a run, and every
-# test's (docs/results.md, "Bytecode compiled at set-up"). compileall skips what is already compiled; a few
+# test's (benchmarks/bytecode.py; docs/results.md, session 29). compileall skips what is already compiled; a few
 # files that are not Python 3 (packages' test data) fail to compile, harmlessly.
 .venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages >/dev/null 2>&1 || true
 .venv/bin/python -c "import vllm, speculators, transformers, ray; print('setup ok: vllm', vllm.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)"

@@ -21,7 +21,7 @@ from eagle3ray.export import export
 from eagle3ray.extract import extract
 from eagle3ray.prepare import prepare
 from eagle3ray.artifacts import read_metrics
-from eagle3ray.train import train
+from eagle3ray.train import held_out_split, train
 from eagle3ray.train_worker import WorkerHooks
 from eagle3ray.vocab import build_vocab
 
@@ -435,9 +435,9 @@ def _train_ids(cfg) -> list[str]:
     from eagle3ray import blocks
 
     paths = storage.run_paths(cfg)
-    _, files = blocks.read_committed(paths.fs, paths.hidden_states)
-    n_val = max(1, round(len(files) * cfg.train.val_fraction))
-    return [i for f in files[:-n_val] for i in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()]
+    man, files = blocks.read_committed(paths.fs, paths.hidden_states)
+    train_files, _ = held_out_split(files, [b["tokens"] for b in man["blocks"]], cfg.train.val_fraction)
+    return [i for f in train_files for i in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()]
 
 
 def test_two_worker_deaths_in_one_epoch_train_no_sample_twice(trained, tmp_path):

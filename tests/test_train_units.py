@@ -602,3 +602,23 @@ def test_the_output_norm_starts_as_the_verifiers_final_norm_only_when_asked(tiny
         assert torch.equal(draft.norm.weight.detach(), expect), init
         assert draft.norm.weight.requires_grad  # still trained
         assert torch.equal(draft.verifier_norm.weight.detach(), scale)  # the loss targets' norm is untouched
+
+
+def test_held_out_blocks_hold_val_fraction_of_the_tokens_not_of_the_block_count():
+    """The 170-conversation run of session 29 (docs/results.md): 8 blocks whose last is a 73-token tail. Counting
+    blocks held out that tail alone (one sample); counting tokens holds out the last blocks up to 10% of them."""
+    from eagle3ray.train import held_out_split
+
+    files = [f"b{i}" for i in range(8)]
+    tokens = [1010, 3938, 4041, 4047, 4076, 4096, 4059, 73]
+    train_files, val_files = held_out_split(files, tokens, 0.1)
+    assert val_files == ["b6", "b7"] and train_files == files[:6]
+    assert sum(tokens[6:]) >= 0.1 * sum(tokens) > tokens[7]
+    # at least one block each side, whatever the fraction
+    assert held_out_split(files, tokens, 0.0) == (files[:7], ["b7"])
+    assert held_out_split(files, tokens, 0.99) == (["b0"], files[1:])
+    assert held_out_split(["a", "b"], [10, 10], 0.5) == (["a"], ["b"])
+    with pytest.raises(ValueError, match="2 blocks"):
+        held_out_split(["a"], [10], 0.1)
+    with pytest.raises(ValueError, match="token count"):
+        held_out_split(["a", "b"], [10], 0.1)
