@@ -103,9 +103,10 @@ class RunSection(_Strict):
         "train.max_steps) are chosen to fit it on this machine after a short probe, written to <run>/plan.json and "
         "reused by every later command of the run (eagle3ray.plan; docs/plan.md).")
 
-    plan_rates: dict[str, float] | None = Field(
+    plan_rates: dict[str, float | dict[str, float]] | None = Field(
         None, description="Rates for the plan instead of probing this machine (a GPU cluster's, measured or stated): "
-        "the fields of eagle3ray.plan.Rates, e.g. prefill_tok_s, decode_tok_s, train_step_s (docs/plan.md).")
+        "the fields of eagle3ray.plan.Rates, e.g. prefill_tok_s, decode_tok_s, train_step_s, and with "
+        "train.optimizer: plan step_s_by_optimizer: {adamw: s, muon: s} (docs/plan.md).")
 
     @field_validator("time_budget")
     @classmethod
@@ -386,11 +387,13 @@ class TrainSection(_Strict):
         "training (the measured split between data and steps: docs/plan.md).")
     max_tokens_per_batch: int = Field(2048, ge=16, description="Packed sequence length of one worker's step.")
     lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate.")
-    optimizer: Literal["adamw", "muon"] = Field(
+    optimizer: Literal["adamw", "muon", "plan"] = Field(
         "adamw", description="'adamw': AdamW (lr, weight_decay) over every trainable weight. 'muon': speculators' "
         "split (speculators.train.optimizers.build_optimizers, its default optimizer): torch.optim.Muon over the "
         "2D weight matrices other than embeddings and lm_head, AdamW (lr, weight_decay) over the rest, both on the "
-        "same warm-up and cosine schedule (measured against adamw in docs/results.md).")
+        "same warm-up and cosine schedule (measured against adamw in docs/results.md). 'plan' (needs "
+        "run.time_budget): the plan's probe times both steps here and takes Muon unless its step costs more than "
+        "plan.MUON_MAX_STEP_RATIO x AdamW's (docs/plan.md).")
     muon_lr: float | None = Field(None, gt=0, description="With optimizer: muon, the Muon group's peak learning "
                                   "rate (scaled to AdamW's update RMS, speculators' match_rms_adamw); unset: lr.")
     muon_weight_decay: float = Field(0.1, ge=0, description="With optimizer: muon, the Muon group's weight decay "
@@ -535,11 +538,11 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _plan_needs_budget(self) -> "Config":
-        planned = [k for k, v in (("data.max_samples", self.data.max_samples), ("train.max_steps", self.train.max_steps))
-                   if v == "plan"]
+        planned = [k for k, v in (("data.max_samples", self.data.max_samples), ("train.max_steps", self.train.max_steps),
+                                  ("train.optimizer", self.train.optimizer)) if v == "plan"]
         if planned and not self.run.time_budget:
             raise ValueError(f"{', '.join(planned)}: `plan` needs run.time_budget (e.g. run.time_budget=15m), "
-                             "or give a number")
+                             "or give a value (a number; adamw or muon for train.optimizer)")
         return self
 
     def to_yaml(self) -> str:

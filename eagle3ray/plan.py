@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from . import storage
 
@@ -49,8 +49,10 @@ PLAN_SAFETY = 0.96  # plan for this fraction of the budget: run-to-run spread on
 #: what the probe does not see (process and cluster start-up, batching tails, Ray's overhead).
 OVERHEADS = {
     "prepare_fixed_s": 18.0,      # Ray start, sources read and tokenized, regeneration actor start (+ engine load)
-    "regen_efficiency": 0.9,      # regeneration's answer throughput over the probe's (chunks of max_num_seqs wait
-                                  # for their longest answer; longer contexts than the probe's)
+    "regen_efficiency": 0.74,     # regeneration's answer throughput over the probe's (chunks of max_num_seqs wait
+                                  # for their longest answer; longer contexts than the probe's): 0.9 fitted with
+                                  # 32-token decode prompts, / 1.21, what 8-token ones measure more (session 30,
+                                  # benchmarks/probe_decode.py; DECODE_PROBE_PROMPT_TOKENS)
     "answer_fill": 1.0,           # regenerated answer length over data.max_new_tokens (ShareGPT answers fill it)
     "extract_fixed_s": 12.0,      # Serve application and Ray Data pipeline start (+ engine load)
     "extract_efficiency": 0.63,   # extraction tokens/s over the probe's plain prefill tokens/s: refitted on four
@@ -71,8 +73,9 @@ OVERHEADS = {
     "engines_together": 0.8,      # each further engine started together adds this fraction of one engine's start
                                   # (two: 32-37 s against 18-22 s alone; docs/results.md, session 19); used where
                                   # the probe did not measure it (Rates.engines_together; older plans, stated rates)
-    "val_decode_efficiency": 0.55,  # validation's tokens/s over the probe's at its batch (MT-Bench's longer
-                                    # prompts, 128-token answers, the batch's tail)
+    "val_decode_efficiency": 0.48,  # validation's tokens/s over the probe's at its batch (MT-Bench's longer
+                                    # prompts, 128-token answers, the batch's tail): 0.55 fitted with 32-token
+                                    # decode prompts, / 1.15 for 8-token ones (as regen_efficiency)
     "spec_slowdown": 1.9,         # the engine with the draft over the one without, CPU (validate.json's speedup)
 }
 
@@ -117,6 +120,8 @@ class Rates:
     machine: dict = field(default_factory=dict)
     state_bytes_per_token: float = 0.0  # one token's row in a block, uncompressed (states + ids), bytes; what a
                                         # worker's shard cache holds. 0 (older plans, stated rates): unknown
+    step_s_by_optimizer: dict = field(default_factory=dict)  # {"adamw": s, "muon": s}: both steps, probed when
+                                    # train.optimizer says plan (train_step_s is then the chosen one's); else {}
     engines_together: float = -1.0  # each further fresh process started together adds this fraction of one's
                                     # start, measured by the probe (two warm ``import torch, vllm`` at once against
                                     # one, clipped to [0, 1]); -1 (older plans, stated rates): OVERHEADS' figure
@@ -194,6 +199,31 @@ def stream_balance(cfg, rates: Rates) -> dict:
             "replicas_to_keep_up": max(1, math.ceil(consume / per_replica))}
 
 
+def decode_tok_s_at(rates: Rates, batch: int) -> float:
+    """Decode tokens/s at ``batch`` sequences: the probe's two measured batches (regeneration's and validation's),
+    interpolated linearly in the batch between them and held at the nearer one outside (decoding on a CPU gets
+    cheaper per token as the batch grows: 324 tok/s at 256 against 210 at 40 on an AMD EPYC with AVX2, session 30)."""
+    (b0, r0), (b1, r1) = sorted([(rates.val_batch, rates.val_decode_tok_s), (rates.decode_batch, rates.decode_tok_s)])
+    if r0 <= 0 or r1 <= 0:  # one batch not measured (stated rates): the other's rate
+        return max(r0, r1)
+    if b1 == b0 or batch >= b1:
+        return r1 if batch >= b1 else r0
+    if batch <= b0:
+        return r0
+    return r0 + (r1 - r0) * (batch - b0) / (b1 - b0)
+
+
+def regeneration_decode_s(cfg, rates: Rates, n: int) -> float:
+    """Seconds of decoding n regenerated answers of ``data.max_new_tokens`` (x ``answer_fill``), in chunks of
+    ``verifier.max_num_seqs`` as :func:`eagle3ray.prepare.regenerate` sends them: the last, partial chunk decodes at
+    its own, smaller batch (:func:`decode_tok_s_at`)."""
+    per = cfg.data.max_new_tokens * OVERHEADS["answer_fill"]
+    chunk = max(1, cfg.verifier.max_num_seqs)
+    full, tail = divmod(n, chunk)
+    return full * chunk * per / decode_tok_s_at(rates, chunk) + (tail * per / decode_tok_s_at(rates, tail)
+                                                                  if tail else 0.0)
+
+
 def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
     """Estimated wall seconds per stage for n training conversations and ``steps`` optimizer steps.
 
@@ -203,9 +233,8 @@ def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
     o, d, v, vc = OVERHEADS, cfg.data, cfg.verifier, cfg.validation
     load = rates.engine_load_s
     tps = tokens_per_sample(cfg, rates)
-    answers = n * d.max_new_tokens * o["answer_fill"] if d.regenerate else 0.0
     prepare = o["prepare_fixed_s"] + (load + (n * rates.prompt_tokens_mean / rates.prefill_tok_s
-                                              + answers / rates.decode_tok_s) / o["regen_efficiency"]
+                                              + regeneration_decode_s(cfg, rates, n)) / o["regen_efficiency"]
                                       if d.regenerate else 0.0)
     extract = o["extract_fixed_s"] + load + n * tps / (rates.prefill_tok_s * o["extract_efficiency"])
     train = o["train_fixed_s"] + steps * _step_s(cfg, rates, tps, n, steps)
@@ -246,6 +275,13 @@ def make_plan(cfg, rates: Rates, budget_s: float) -> dict:
     fixed_n = cfg.data.max_samples if cfg.data.max_samples != "plan" else None
     fixed_s = cfg.train.max_steps if cfg.train.max_steps != "plan" else None
     target = budget_s * PLAN_SAFETY
+    optimizer = cfg.train.optimizer
+    if optimizer == "plan":
+        if not rates.step_s_by_optimizer:
+            raise ValueError("train.optimizer: plan needs both optimizers' steps (a probe of this version, or "
+                             "run.plan_rates.step_s_by_optimizer: {adamw: s, muon: s})")
+        optimizer = choose_optimizer(rates.step_s_by_optimizer)
+        rates = replace(rates, train_step_s=rates.step_s_by_optimizer[optimizer])
 
     def sizes(n: int) -> tuple[int, int]:
         return n, fixed_s if fixed_s is not None else steps_for(cfg, n, rates)
@@ -275,19 +311,44 @@ def make_plan(cfg, rates: Rates, budget_s: float) -> dict:
     est = {"plan": rates.probe_s, **estimate(cfg, rates, n, steps)}
     return {"max_samples": n, "max_steps": steps, "estimates": est, "total_s": sum(est.values()),
             "budget_s": budget_s, "target_s": target, "fits": sum(est.values()) <= budget_s,
+            "optimizer": optimizer,
             "planned": [k for k, given in (("data.max_samples", fixed_n), ("train.max_steps", fixed_s))
-                        if given is None],
+                        if given is None] + (["train.optimizer"] if cfg.train.optimizer == "plan" else []),
             "tokens_per_sample": tokens_per_sample(cfg, rates), "rates": asdict(rates),
             "overheads": dict(OVERHEADS), "safety": PLAN_SAFETY, "created_at": time.time()}
 
 
 #: The planned sizes each stage reads (a stage command plans only when one of its own says ``plan``).
-STAGE_SIZES = {"prepare": ("data.max_samples",), "extract": ("data.max_samples",), "train": ("train.max_steps",)}
+STAGE_SIZES = {"prepare": ("data.max_samples",), "extract": ("data.max_samples",),
+               "train": ("train.max_steps", "train.optimizer")}
+#: Every field that may say ``plan``.
+PLANNED_FIELDS = ("data.max_samples", "train.max_steps", "train.optimizer")
+
+#: With ``train.optimizer: plan``, Muon is taken unless the probe times its step at more than this many times
+#: AdamW's. Measured at a fixed 15-minute budget on 2-core CPUs (docs/results.md): at 1.18x Muon beat AdamW (1.414
+#: against 1.343, whole runs, session 18); at 2.7x (an AMD EPYC with AVX2 only, fp32) AdamW beat it in whole runs
+#: (1.340 against 1.294) and on the same blocks in the same train time (1.340 against 1.318, session 30). Between
+#: the two the boundary is not measured.
+MUON_MAX_STEP_RATIO = 1.5
 
 
-def needs_plan(cfg, sizes: tuple[str, ...] = ("data.max_samples", "train.max_steps")) -> bool:
-    """True when one of ``sizes`` says ``plan`` (only allowed with ``run.time_budget``; the schema checks that)."""
-    return any((cfg.data.max_samples if k == "data.max_samples" else cfg.train.max_steps) == "plan" for k in sizes)
+def choose_optimizer(step_s_by_optimizer: dict) -> str:
+    """``muon`` unless its probed step costs more than :data:`MUON_MAX_STEP_RATIO` x AdamW's, then ``adamw``.
+
+    Args:
+        step_s_by_optimizer: ``{"adamw": s, "muon": s}``, median probed steps (:func:`_probe_train_step`).
+
+    Raises:
+        KeyError: either step is missing.
+    """
+    muon, adamw = step_s_by_optimizer["muon"], step_s_by_optimizer["adamw"]
+    return "muon" if muon <= MUON_MAX_STEP_RATIO * adamw else "adamw"
+
+
+def needs_plan(cfg, sizes: tuple[str, ...] = PLANNED_FIELDS) -> bool:
+    """True when one of ``sizes`` (dotted config fields) says ``plan`` (only allowed with ``run.time_budget``; the
+    schema checks that)."""
+    return any(getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) == "plan" for k in sizes)
 
 
 def probe(cfg) -> Rates:
@@ -326,7 +387,8 @@ def stated_rates(cfg) -> Rates | None:
     given = cfg.run.plan_rates
     if not given:
         return None
-    optional = ("probe_s", "machine", "engine_start_s", "state_bytes_per_token", "engines_together")
+    optional = ("probe_s", "machine", "engine_start_s", "state_bytes_per_token", "engines_together",
+                "step_s_by_optimizer")
     need = [k for k in Rates.__dataclass_fields__ if k not in optional and k not in given]
     if need:
         raise ValueError(f"run.plan_rates lacks {', '.join(need)} (see eagle3ray.plan.Rates; docs/plan.md)")
@@ -364,28 +426,21 @@ def together_factor(alone_s: float, together_s: float, n: int = 2) -> float:
     return min(1.0, max(0.0, (together_s / alone_s - 1) / (n - 1)))
 
 
-def _probe_here(cfg) -> Rates:
-    """The probe itself (runs in the subprocess :func:`probe` starts)."""
-    t0 = time.time()
-    import gc
+def probe_prompts(cfg, spec) -> tuple[list[list[int]], float]:
+    """The probe's prompts: the first user turns (chat template applied) of the run's first 64 training records,
+    and the fraction of source records kept (what ``data.max_samples`` conversations cost in records read).
 
-    import torch
+    Raises:
+        RuntimeError: ``data.train`` yields no training record.
+    """
     from transformers import AutoTokenizer
 
-    from .machine import cpu_bf16_is_fast, cpu_flags, resolve_autocast
     from .prepare import RejectCounter, _prompt_ids, collect_records
-    from .validate import engines_at_once
-    from .serving_engine import ServingEngine
-    from .verifier import VerifierSpec
 
-    v = cfg.verifier
-    spec = VerifierSpec.from_config(cfg)
     tok = AutoTokenizer.from_pretrained(spec.model_path)
     small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_samples": 64})})
     rejected = RejectCounter()
-    t_records = time.time()
     recs = collect_records(small, rejected, tok)
-    t_records = time.time() - t_records  # reading the prompt sources: not part of an engine's start
     if not recs:
         raise RuntimeError("no training records to probe with (data.train)")
     prompts = []
@@ -396,20 +451,25 @@ def _probe_here(cfg) -> Rates:
             if m["role"] == "user":
                 break
         prompts.append(_prompt_ids(tok, first))
-    read = len(recs) + sum(rejected.counts.values())
+    return prompts, len(recs) / max(1, len(recs) + sum(rejected.counts.values()))
+
+
+def probe_engine(cfg, spec):
+    """The verifier's engine as the probe measures it (:class:`eagle3ray.serving_engine.ServingEngine` with the
+    ``verifier`` section's settings, in this process)."""
+    from .serving_engine import ServingEngine
+
+    v = cfg.verifier
+    return ServingEngine(spec.model_path, dtype=v.dtype, max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
+                         max_num_seqs=v.max_num_seqs, seed=v.seed, cpu_kv_cache_gib=v.cpu_kv_cache_gib,
+                         gpu_memory_utilization=v.gpu_memory_utilization,
+                         tensor_parallel_size=v.tensor_parallel_size, device=v.device, cpu_threads=v.cpu_threads)
+
+
+def generation_timer(eng):
+    """``gen(prompts, n_tokens) -> seconds``: greedy generation of exactly ``n_tokens`` per prompt (``ignore_eos``)
+    for token-id prompts, all submitted at once to ``eng``."""
     from vllm import SamplingParams
-
-    t = time.time()
-    eng = ServingEngine(spec.model_path, dtype=v.dtype, max_model_len=v.max_model_len, enforce_eager=v.enforce_eager,
-                        max_num_seqs=v.max_num_seqs, seed=v.seed, cpu_kv_cache_gib=v.cpu_kv_cache_gib,
-                        gpu_memory_utilization=v.gpu_memory_utilization, tensor_parallel_size=v.tensor_parallel_size,
-                        device=v.device, cpu_threads=v.cpu_threads)
-    load = time.time() - t
-    import psutil
-
-    # what a validation engine's fresh process pays: interpreter start, imports (torch, vLLM), the load; this
-    # process also read the prompt sources first (not an engine's cost), so that part is left out
-    engine_start = time.time() - psutil.Process().create_time() - t_records
 
     def gen(ps, n_tokens):
         sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
@@ -417,19 +477,45 @@ def _probe_here(cfg) -> Rates:
         eng.llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
         return time.time() - t
 
+    return gen
+
+
+def _probe_here(cfg) -> Rates:
+    """The probe itself (runs in the subprocess :func:`probe` starts)."""
+    t0 = time.time()
+    import gc
+
+    import torch
+
+    from vllm import SamplingParams  # noqa: F401  (imported before the engine is timed, as a stage's process has it)
+
+    from .machine import cpu_bf16_is_fast, cpu_flags, resolve_autocast
+    from .serving_engine import ServingEngine  # noqa: F401  (the same)
+    from .validate import engines_at_once
+    from .verifier import VerifierSpec
+
+    v = cfg.verifier
+    spec = VerifierSpec.from_config(cfg)
+    t_records = time.time()
+    prompts, kept_fraction = probe_prompts(cfg, spec)
+    t_records = time.time() - t_records  # reading the prompt sources: not part of an engine's start
+    t = time.time()
+    eng = probe_engine(cfg, spec)
+    load = time.time() - t
+    import psutil
+
+    # what a validation engine's fresh process pays: interpreter start, imports (torch, vLLM), the load; this
+    # process also read the prompt sources first (not an engine's cost), so that part is left out
+    engine_start = time.time() - psutil.Process().create_time() - t_records
+    gen = generation_timer(eng)
     gen(prompts[:4], 2)  # warm-up
     pre = prompts[:48]
     prefill = sum(map(len, pre)) / gen(pre, 1)
 
-    def decode_rate(batch: int) -> float:
-        short = [prompts[i % len(prompts)][:32] for i in range(batch)]
-        long_t = gen(short, 18)  # first: the shorter call then reuses its prefix cache (conservative)
-        return batch * 16 / max(1e-6, long_t - gen(short, 2))
-
     batch = max(1, v.max_num_seqs)
-    dec = decode_rate(batch)
+    dec = decode_rate(gen, prompts, batch)
     vbatch = max(1, min(cfg.validation.max_num_seqs, cfg.validation.max_prompts))
-    vdec = decode_rate(vbatch) if vbatch != batch else dec
+    vdec = decode_rate(gen, prompts, vbatch) if vbatch != batch else dec
     del eng
     gc.collect()
     t_engine = time.time() - t
@@ -440,7 +526,13 @@ def _probe_here(cfg) -> Rates:
     together = together_factor(warm_import, _warm_import_s(at_once), at_once) if at_once > 1 else -1.0
     engine_start = min(engine_start, load + warm_import)
     t_step = time.time()
-    step_s = _probe_train_step(cfg, spec, float(sum(map(len, prompts)) / len(prompts)))
+    prompt_mean = float(sum(map(len, prompts)) / len(prompts))
+    by_optimizer = {}
+    if cfg.train.optimizer == "plan":  # both, for make_plan to choose between (choose_optimizer)
+        by_optimizer = {o: _probe_train_step(cfg, spec, prompt_mean, optimizer=o) for o in ("adamw", "muon")}
+        step_s = by_optimizer[choose_optimizer(by_optimizer)]
+    else:
+        step_s = _probe_train_step(cfg, spec, prompt_mean)
     from .blocks import bytes_per_token
 
     log.warning("probe: records %.1f s, engine %.1f s (load %.1f), warm import %.1f s (engines together %.2f), "
@@ -449,7 +541,8 @@ def _probe_here(cfg) -> Rates:
     return Rates(engine_load_s=load, engine_start_s=engine_start, prefill_tok_s=prefill, decode_tok_s=dec,
                  decode_batch=batch, val_decode_tok_s=vdec, val_batch=vbatch,
                  prompt_tokens_mean=float(sum(map(len, prompts)) / len(prompts)),
-                 kept_fraction=len(recs) / max(1, read), train_step_s=step_s, probe_s=time.time() - t0,
+                 kept_fraction=kept_fraction, train_step_s=step_s, step_s_by_optimizer=by_optimizer,
+                 probe_s=time.time() - t0,
                  engines_together=together,
                  state_bytes_per_token=bytes_per_token(len(spec.layer_ids), spec.model_identity["hidden_size"],
                                                        cfg.extract.storage_dtype) + ROW_BYTES_PER_TOKEN,
@@ -458,8 +551,34 @@ def _probe_here(cfg) -> Rates:
                           "autocast": resolve_autocast(cfg.train.autocast, v.device), "torch_threads": torch.get_num_threads()})
 
 
-def _probe_train_step(cfg, spec, prompt_mean: float) -> float:
-    """Median seconds of :meth:`DraftStep.step` on synthetic packed batches of the verifier's shapes."""
+#: Prompt tokens of each sequence in the probe's decode measurement. Both of its calls prefill every sequence, so
+#: at regeneration's batch of 256 the prompts' length is most of the measurement's cost: 8 tokens measure in 24.5 s
+#: what 32 took 57.1 s to (medians of 3, AMD EPYC with AVX2, session 30: ``benchmarks/probe_decode.py``,
+#: docs/plan.md). The rates come out 1.21x (batch 256) and 1.15x (batch 40) higher than with 32 tokens, whose
+#: shorter call reused the longer one's cached prefix blocks and so left part of a prefill in the difference;
+#: ``OVERHEADS``' regeneration and validation efficiencies are divided by those ratios.
+DECODE_PROBE_PROMPT_TOKENS = 8
+
+
+def decode_rate(gen, prompts: list[list[int]], batch: int, prompt_tokens: int = DECODE_PROBE_PROMPT_TOKENS,
+                tokens: int = 16) -> float:
+    """Decode tokens/s at ``batch`` sequences: ``batch`` prompts of ``prompt_tokens`` tokens (the run's own training
+    prompts, cycled, cut) decoded for ``tokens + 2`` and for 2 tokens; the difference leaves the prefill out.
+
+    Args:
+        gen: ``gen(prompts, n_tokens) -> seconds``, greedy generation of exactly ``n_tokens`` per prompt
+            (``ignore_eos``).
+        prompts: token-id lists (at least one).
+        batch: sequences decoded together (``verifier.max_num_seqs`` for regeneration).
+    """
+    short = [prompts[i % len(prompts)][:prompt_tokens] for i in range(batch)]
+    long_t = gen(short, tokens + 2)  # first: were a prefix cache on, the shorter call would reuse it (conservative)
+    return batch * tokens / max(1e-6, long_t - gen(short, 2))
+
+
+def _probe_train_step(cfg, spec, prompt_mean: float, optimizer: str | None = None) -> float:
+    """Median seconds of :meth:`DraftStep.step` on synthetic packed batches of the verifier's shapes, with
+    ``optimizer`` (default: ``train.optimizer``)."""
     import statistics
 
     import torch
@@ -476,6 +595,7 @@ def _probe_train_step(cfg, spec, prompt_mean: float) -> float:
     A = len(spec.layer_ids) - 1
     tc = t.model_dump()
     tc["max_steps"] = 1000
+    tc["optimizer"] = optimizer or tc["optimizer"]
     d2t, t2d = build_vocab_mappings_from_distribution({i: 1 for i in range(V)}, cfg.vocab.draft_vocab_size, V)
     torch.manual_seed(0)
     step = DraftStep.build(tc, spec.model_path, spec.layer_ids[:-1], d2t, t2d, H,
@@ -551,7 +671,20 @@ def planned_config(cfg, *, replan: bool = False, on_plan=None, stage: str | None
         if cfg.data.max_samples == "plan" else cfg.data
     train = cfg.train.model_copy(update={"max_steps": plan["max_steps"]}) \
         if cfg.train.max_steps == "plan" else cfg.train
+    if train.optimizer == "plan":
+        if plan.get("optimizer") in (None, "plan"):  # a plan.json written before train.optimizer could say plan
+            raise PlanChanged(f"{plan_path(cfg)[1]} was made without an optimizer choice: `eagle3ray plan --replan` "
+                              "(before the first stage finishes) or a new run.name")
+        train = train.model_copy(update={"optimizer": plan["optimizer"]})
     return cfg.model_copy(update={"data": data, "train": train})
+
+
+def _optimizer_note(plan: dict) -> str:
+    """``, adamw: Muon's step 2.70x AdamW's`` when the plan chose the optimizer, else ``""``."""
+    by = plan["rates"].get("step_s_by_optimizer") or {}
+    if "train.optimizer" not in plan.get("planned", ()) or not by:
+        return ""
+    return f", {plan['optimizer']}: Muon's step {by['muon'] / by['adamw']:.2f}x AdamW's"
 
 
 def render(plan: dict, fresh: bool = True) -> str:
@@ -565,7 +698,7 @@ def render(plan: dict, fresh: bool = True) -> str:
         "extract": f"{n} samples x ~{plan['tokens_per_sample']:.0f} tokens of states "
                    f"(prefill {r['prefill_tok_s']:.0f} tok/s)",
         "vocab": "draft vocabulary",
-        "train": f"{s} steps ({r['train_step_s']:.2f} s/step probed)",
+        "train": f"{s} steps ({r['train_step_s']:.2f} s/step probed{_optimizer_note(plan)})",
         "export": "speculators-format folder",
         "check": "vLLM's eagle3 config hook",
         "validate": "with and without the draft",

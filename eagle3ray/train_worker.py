@@ -276,9 +276,14 @@ def build_optimizers(draft, tc: dict) -> list:
     ``torch.optim.Muon`` (``muon_lr`` or ``lr``, ``muon_weight_decay``, ``muon_momentum``, 5 Newton-Schulz steps,
     ``adjust_lr_fn="match_rms_adamw"``) over the 2D weight matrices other than embeddings and ``lm_head``, then
     AdamW (``lr``, ``weight_decay``) over the rest: ``[Muon, AdamW]``.
+
+    Raises:
+        ValueError: ``optimizer`` is neither (``plan`` must be resolved first: :func:`eagle3ray.plan.planned_config`).
     """
     import torch
 
+    if tc.get("optimizer", "adamw") not in ("adamw", "muon"):
+        raise ValueError(f"train.optimizer {tc['optimizer']!r}: the plan has not resolved it to adamw or muon")
     if tc.get("optimizer", "adamw") == "adamw":  # kept as before: checkpoints' optimizer states index this list
         return [torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tc["lr"],
                                   weight_decay=tc["weight_decay"])]

@@ -147,7 +147,7 @@ def test_the_export_check_reports_truncated_weights_and_a_broken_config_instead_
 
     d2t, t2d = torch.zeros(512, dtype=torch.long), torch.zeros(49152, dtype=torch.bool)
     t2d[:512] = True
-    tc = load_config(None, ["vocab.draft_vocab_size=512"]).train.model_dump()
+    tc = load_config(None, ["vocab.draft_vocab_size=512", "train.optimizer=muon"]).train.model_dump()
     out = tmp_path / "export"
     build_draft(tiny_verifier, [2, 4, 5], d2t, t2d, tc).save_pretrained(out)
     assert check_draft(str(out), tiny_verifier).ok

@@ -8,7 +8,7 @@ from eagle3ray.config import ConfigError, load_config
 
 RATES = P.Rates(engine_load_s=8.0, prefill_tok_s=800.0, decode_tok_s=550.0, decode_batch=256,
                 val_decode_tok_s=300.0, val_batch=40, prompt_tokens_mean=60.0, kept_fraction=0.5,
-                train_step_s=0.45, probe_s=50.0, machine={"cpu_model": "test", "amx_bf16": False, "dtype": "float32"})
+                train_step_s=0.45, step_s_by_optimizer={"adamw": 0.40, "muon": 0.45}, probe_s=50.0, machine={"cpu_model": "test", "amx_bf16": False, "dtype": "float32"})
 
 
 def cfg_for(tmp_path, *overrides):
@@ -28,7 +28,7 @@ def test_bad_durations_say_what_is_accepted(text):
 
 
 def test_plan_needs_a_budget_and_names_the_field():
-    with pytest.raises(ConfigError, match="data.max_samples, train.max_steps: `plan` needs run.time_budget"):
+    with pytest.raises(ConfigError, match="data.max_samples, train.max_steps, train.optimizer: `plan` needs run.time_budget"):
         load_config(None, ["run.time_budget=null"])
 
 
@@ -42,7 +42,7 @@ def test_the_plan_is_the_largest_that_fits(tmp_path, budget):
     assert p["max_steps"] == P.steps_for(cfg, n, RATES)
     bigger = RATES.probe_s + sum(P.estimate(cfg, RATES, n + 1, P.steps_for(cfg, n + 1, RATES)).values())
     assert bigger > seconds * P.PLAN_SAFETY  # one more conversation would not fit
-    assert p["planned"] == ["data.max_samples", "train.max_steps"]
+    assert p["planned"] == ["data.max_samples", "train.max_steps", "train.optimizer"]
 
 
 def test_a_longer_budget_buys_more_data_and_steps(tmp_path):
@@ -53,12 +53,12 @@ def test_a_longer_budget_buys_more_data_and_steps(tmp_path):
 
 def test_explicit_sizes_are_kept_and_the_other_is_fitted(tmp_path):
     p = P.make_plan(cfg_for(tmp_path, "data.max_samples=200"), RATES, 900)
-    assert p["max_samples"] == 200 and p["planned"] == ["train.max_steps"]
+    assert p["max_samples"] == 200 and p["planned"] == ["train.max_steps", "train.optimizer"]
     assert p["total_s"] <= 900 * P.PLAN_SAFETY + RATES.train_step_s * 2
     step_s = (p["estimates"]["train"] - P.OVERHEADS["train_fixed_s"]) / p["max_steps"]
     assert p["total_s"] >= 900 * P.PLAN_SAFETY - 2 * step_s, p  # the fitted steps fill the budget
     q = P.make_plan(cfg_for(tmp_path, "train.max_steps=100"), RATES, 900)
-    assert q["max_steps"] == 100 and q["planned"] == ["data.max_samples"]
+    assert q["max_steps"] == 100 and q["planned"] == ["data.max_samples", "train.optimizer"]
     assert q["max_samples"] > P.make_plan(cfg_for(tmp_path), RATES, 900)["max_samples"]  # fewer steps: more data
 
 
@@ -90,13 +90,14 @@ def test_planned_config_probes_once_then_reuses_plan_json(tmp_path, monkeypatch)
     seen = []
     a = P.planned_config(cfg, on_plan=lambda plan, fresh: seen.append(fresh))
     assert isinstance(a.data.max_samples, int) and isinstance(a.train.max_steps, int)
+    assert a.train.optimizer == "muon"  # RATES: Muon's step 1.125x AdamW's
     written = json.loads((tmp_path / "smollm2-135m-cpu" / P.PLAN_FILE).read_text())
     assert written["max_samples"] == a.data.max_samples and written["rates"]["train_step_s"] == 0.45
     monkeypatch.setattr(P, "probe", lambda cfg: pytest.fail("probed again"))
     b = P.planned_config(cfg, on_plan=lambda plan, fresh: seen.append(fresh))
     assert (b.data.max_samples, b.train.max_steps) == (a.data.max_samples, a.train.max_steps)
     assert seen == [True, False] and calls == [1]
-    explicit = cfg_for(tmp_path, "data.max_samples=7", "train.max_steps=9")
+    explicit = cfg_for(tmp_path, "data.max_samples=7", "train.max_steps=9", "train.optimizer=adamw")
     assert P.planned_config(explicit) is explicit  # nothing says plan: no probe, no plan
 
 
@@ -290,3 +291,50 @@ def test_the_probes_warm_import_is_timed_in_a_fresh_interpreter_and_a_failure_is
     monkeypatch.setattr(sys, "executable", "/bin/false")
     assert P._warm_import_s() == float("inf")
     assert P._warm_import_s(2) == float("inf")
+
+
+@pytest.mark.parametrize("muon_s, chosen", [(0.45, "muon"), (0.60, "muon"), (0.61, "adamw"), (1.20, "adamw")])
+def test_the_plan_takes_muon_unless_its_step_costs_over_the_measured_ratio(tmp_path, muon_s, chosen):
+    """train.optimizer: plan: Muon up to MUON_MAX_STEP_RATIO (1.5) x AdamW's probed step (0.40 s here), AdamW above;
+    the chosen optimizer's step is the one the plan sizes the run with, and the printed plan says why."""
+    from dataclasses import replace
+
+    assert P.MUON_MAX_STEP_RATIO == 1.5
+    rates = replace(RATES, step_s_by_optimizer={"adamw": 0.40, "muon": muon_s})
+    p = P.make_plan(cfg_for(tmp_path), rates, 900)
+    assert p["optimizer"] == chosen and p["rates"]["train_step_s"] == rates.step_s_by_optimizer[chosen]
+    same = P.make_plan(cfg_for(tmp_path, f"train.optimizer={chosen}"), replace(rates, train_step_s=p["rates"][
+        "train_step_s"]), 900)
+    assert (same["max_samples"], same["max_steps"]) == (p["max_samples"], p["max_steps"])
+    assert f"{chosen}: Muon's step {muon_s / 0.40:.2f}x AdamW's" in P.render(p)
+    cheaper = P.make_plan(cfg_for(tmp_path), replace(rates, step_s_by_optimizer={"adamw": 0.40, "muon": 2.0}), 900)
+    assert cheaper["max_samples"] >= p["max_samples"]  # AdamW's cheaper steps leave more of the budget to data
+
+
+def test_a_plan_without_both_steps_cannot_choose_the_optimizer(tmp_path):
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="step_s_by_optimizer"):
+        P.make_plan(cfg_for(tmp_path), replace(RATES, step_s_by_optimizer={}), 900)
+    assert P.make_plan(cfg_for(tmp_path, "train.optimizer=muon"), replace(RATES, step_s_by_optimizer={}), 900)
+
+
+def test_an_unresolved_optimizer_is_refused_by_the_training_step():
+    from eagle3ray.train_worker import build_optimizers
+
+    with pytest.raises(ValueError, match="train.optimizer 'plan'"):
+        build_optimizers(None, {"optimizer": "plan", "lr": 1e-3, "weight_decay": 0.0})
+
+
+def test_the_last_partial_regeneration_chunk_decodes_at_its_own_smaller_batch(tmp_path):
+    """Decode tokens/s between the probe's two batches (40: 300 tok/s, 256: 550) is interpolated; 300 answers are a
+    chunk of 256 at 550 and one of 44 at ~305 tok/s, not 300 at 550."""
+    assert P.decode_tok_s_at(RATES, 256) == 550 and P.decode_tok_s_at(RATES, 512) == 550
+    assert P.decode_tok_s_at(RATES, 40) == 300 and P.decode_tok_s_at(RATES, 8) == 300
+    assert P.decode_tok_s_at(RATES, 148) == pytest.approx(425)
+    cfg = cfg_for(tmp_path)
+    per = cfg.data.max_new_tokens * P.OVERHEADS["answer_fill"]
+    assert P.regeneration_decode_s(cfg, RATES, 256) == pytest.approx(256 * per / 550)
+    tail = 44 * per / P.decode_tok_s_at(RATES, 44)
+    assert P.regeneration_decode_s(cfg, RATES, 300) == pytest.approx(256 * per / 550 + tail)
+    assert tail > 44 * per / 550

@@ -252,8 +252,8 @@ def _tiny_step(tiny_verifier, max_tokens: int = 64, overrides: tuple = ()):
     from eagle3ray.config import load_config
     from eagle3ray.train_worker import DraftStep
 
-    cfg = load_config(None, ["vocab.draft_vocab_size=512", f"train.max_tokens_per_batch={max_tokens}",
-                             "train.autocast=off", *overrides])
+    cfg = load_config(None, ["vocab.draft_vocab_size=512", "train.optimizer=muon",
+                             f"train.max_tokens_per_batch={max_tokens}", "train.autocast=off", *overrides])
     d2t, t2d = torch.zeros(512, dtype=torch.long), torch.zeros(49152, dtype=torch.bool)
     t2d[:512] = True
     torch.manual_seed(0)
@@ -334,7 +334,7 @@ def test_the_export_check_reads_a_draft_on_an_s3_compatible_endpoint(tmp_path, m
 
     d2t, t2d = torch.zeros(512, dtype=torch.long), torch.zeros(49152, dtype=torch.bool)
     t2d[:512] = True
-    tc = load_config(None, ["vocab.draft_vocab_size=512"]).train.model_dump()
+    tc = load_config(None, ["vocab.draft_vocab_size=512", "train.optimizer=muon"]).train.model_dump()
     build_draft(tiny_verifier, [2, 4, 5], d2t, t2d, tc).save_pretrained(tmp_path / "export")
     s3fs.S3FileSystem(endpoint_url=s3_endpoint).put(str(tmp_path / "export") + "/", "eagle3ray/runs/t/export/",
                                                     recursive=True)
@@ -597,7 +597,8 @@ def test_the_output_norm_starts_as_the_verifiers_final_norm_only_when_asked(tiny
     d2t, t2d = torch.zeros(512, dtype=torch.long), torch.zeros(49152, dtype=torch.bool)
     t2d[:512] = True
     for init, expect in (("verifier", scale), ("ones", torch.ones_like(scale))):
-        tc = load_config(None, ["vocab.draft_vocab_size=512", f"train.output_norm_init={init}"]).train.model_dump()
+        tc = load_config(None, ["vocab.draft_vocab_size=512", "train.optimizer=muon",
+                                f"train.output_norm_init={init}"]).train.model_dump()
         draft = build_draft(str(verifier), [2, 4, 5], d2t, t2d, tc)
         assert torch.equal(draft.norm.weight.detach(), expect), init
         assert draft.norm.weight.requires_grad  # still trained
