@@ -206,8 +206,8 @@ def decode_tok_s_at(rates: Rates, batch: int) -> float:
     (b0, r0), (b1, r1) = sorted([(rates.val_batch, rates.val_decode_tok_s), (rates.decode_batch, rates.decode_tok_s)])
     if r0 <= 0 or r1 <= 0:  # one batch not measured (stated rates): the other's rate
         return max(r0, r1)
-    if b1 == b0 or batch >= b1:
-        return r1 if batch >= b1 else r0
+    if batch >= b1:
+        return r1
     if batch <= b0:
         return r0
     return r0 + (r1 - r0) * (batch - b0) / (b1 - b0)
@@ -540,8 +540,7 @@ def _probe_here(cfg) -> Rates:
     flags = cpu_flags()
     return Rates(engine_load_s=load, engine_start_s=engine_start, prefill_tok_s=prefill, decode_tok_s=dec,
                  decode_batch=batch, val_decode_tok_s=vdec, val_batch=vbatch,
-                 prompt_tokens_mean=float(sum(map(len, prompts)) / len(prompts)),
-                 kept_fraction=kept_fraction, train_step_s=step_s, step_s_by_optimizer=by_optimizer,
+                 prompt_tokens_mean=prompt_mean, kept_fraction=kept_fraction, train_step_s=step_s, step_s_by_optimizer=by_optimizer,
                  probe_s=time.time() - t0,
                  engines_together=together,
                  state_bytes_per_token=bytes_per_token(len(spec.layer_ids), spec.model_identity["hidden_size"],
