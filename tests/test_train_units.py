@@ -623,3 +623,47 @@ def test_held_out_blocks_hold_val_fraction_of_the_tokens_not_of_the_block_count(
         held_out_split(["a"], [10], 0.1)
     with pytest.raises(ValueError, match="token count"):
         held_out_split(["a", "b"], [10], 0.1)
+
+
+def test_layer_init_verifier_copies_the_verifiers_last_layer_and_passes_the_deepest_aux_state(tiny_verifier,
+                                                                                                tmp_path):
+    """``train.layer_init: verifier``: the draft's decoder layer starts as the verifier's last layer (both halves of
+    q/k/v), fc as ``[0, 0, I]``; ``random`` leaves speculators' init; a head size that differs is refused by name."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eagle3ray.config import load_config
+    from eagle3ray.draft import build_draft, verifier_text_config
+
+    sd = load_file(f"{tiny_verifier}/model.safetensors")
+    last = verifier_text_config(tiny_verifier)["num_hidden_layers"] - 1
+    src = {k.split(f"layers.{last}.", 1)[1]: v for k, v in sd.items() if f"layers.{last}." in k}
+    d2t, t2d = torch.zeros(512, dtype=torch.long), torch.zeros(49152, dtype=torch.bool)
+    t2d[:512] = True
+
+    def draft_for(*over):
+        tc = load_config(None, ["vocab.draft_vocab_size=512", "train.optimizer=muon", *over]).train.model_dump()
+        torch.manual_seed(0)
+        return build_draft(tiny_verifier, [2, 4, 5], d2t, t2d, tc)
+
+    d = draft_for("train.layer_init=verifier")
+    layer = dict(d.layers[0].named_parameters())
+    for k in ("self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+              "post_attention_layernorm.weight"):
+        assert torch.equal(layer[k].detach(), src[k]), k
+    for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+        h = src[k].shape[1]
+        assert torch.equal(layer[k].detach()[:, :h], src[k]) and torch.equal(layer[k].detach()[:, h:], src[k]), k
+    assert torch.equal(layer["hidden_norm.weight"].detach(), src["input_layernorm.weight"])
+    h = d.fc.weight.shape[0]
+    assert torch.equal(d.fc.weight.detach(), torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], dim=1))
+    assert all(p.requires_grad for p in d.layers[0].parameters()) and d.fc.weight.requires_grad
+
+    r = draft_for()  # the default: speculators' random init, same seed
+    assert not torch.equal(r.layers[0].mlp.down_proj.weight.detach(), src["mlp.down_proj.weight"])
+    assert not torch.equal(r.fc.weight.detach(), d.fc.weight.detach())
+
+    hd = verifier_text_config(tiny_verifier)
+    other = hd["hidden_size"] // hd["num_attention_heads"] * 2
+    with pytest.raises(ValueError, match=r"train.layer_init verifier: .* self_attn\.(q|k|v|o)_proj"):
+        draft_for("train.layer_init=verifier", f"train.draft_head_dim={other}")
