@@ -437,11 +437,6 @@ class TrainSection(_Strict):
         "frozen lm_head (speculators loads that head from the verifier's, restricted to the draft vocabulary): "
         "'ones' (speculators' and SpecForge's init) or 'verifier', the verifier's own final norm, the scale that "
         "lm_head was trained with (docs/results.md).")
-    layer_init: Literal["random", "verifier"] = Field(
-        "random", description="Initial weights of the draft's decoder layer: 'random' (speculators' and SpecForge's "
-        "init) or 'verifier', a copy of the verifier's last decoder layer (attention, MLP, norms; both halves of the "
-        "draft's 2H-wide q/k/v take the verifier's projection) with fc starting as the identity on the deepest "
-        "auxiliary layer (eagle3ray.draft.init_layer_from_verifier; docs/results.md).")
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints (and held-out evaluations).")
     val_fraction: float = Field(0.1, ge=0, lt=1, description=(
         "Share of the committed tokens held out for evaluation: the last blocks, as few as hold it "

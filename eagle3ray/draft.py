@@ -232,8 +232,7 @@ def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: di
         tcfg: ``train`` section as a dict (num_draft_layers, draft_head_dim, norm_before_residual,
             norm_before_fc, norm_output, output_norm_init, ttt_steps, attn_impl). The config defaults
             ``norm_before_fc`` and ``norm_output`` to True as speculators' training CLI does for eagle3
-            (``from_training_args`` itself defaults them to False); ``output_norm_init`` absent means ``ones``;
-            ``layer_init`` absent means ``random`` (``verifier``: :func:`init_layer_from_verifier`).
+            (``from_training_args`` itself defaults them to False); ``output_norm_init`` absent means ``ones``.
     """
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -254,56 +253,4 @@ def build_draft(verifier_path: str, aux_layer_ids: list[int], d2t, t2d, tcfg: di
         # speculators into ``verifier_norm`` for the loss targets) instead of ones.
         with torch.no_grad():
             draft.norm.weight.copy_(draft.verifier_norm.weight)
-    if tcfg.get("layer_init", "random") == "verifier":
-        init_layer_from_verifier(draft, verifier_path)
     return draft
-
-
-def init_layer_from_verifier(draft, verifier_path: str) -> list[str]:
-    """Start the draft's first decoder layer as a copy of the verifier's last one, and fc as a pass-through of the
-    deepest auxiliary layer (``train.layer_init: verifier``).
-
-    Copied from verifier layer ``L-1`` (``L`` = ``num_hidden_layers``): ``o_proj``, the MLP, ``input_layernorm``
-    (onto both of the draft's input norms: ``input_layernorm`` for the embeddings, ``hidden_norm`` for the states)
-    and ``post_attention_layernorm``. The draft's q/k/v read ``cat(norm(embedding), norm(state))`` [.., 2H] (speculators'
-    ``Eagle3FirstLayerMixin``); both halves start as the verifier's [out, H] projection, so at init they project
-    ``norm(embedding) + norm(state)``. ``fc`` [H, A*H] starts as ``[0 .. 0, I]``: the draft's state is the last
-    auxiliary layer's (speculators orders fc's input as ``target_layer_ids``). Everything stays trainable.
-    Not a published recipe (EAGLE-3, speculators and SpecForge initialize the layer randomly): a warm start for
-    small data sets, measured in docs/results.md.
-
-    Args:
-        draft: a speculators ``Eagle3DraftModel`` (:func:`build_draft`).
-        verifier_path: the verifier's folder or hub id (safetensors, sharded or not).
-    Returns:
-        The draft parameter names that were set.
-    Raises:
-        ValueError: a weight's shape differs between the verifier's layer and the draft's (``train.draft_head_dim``
-            set to another head size, or a verifier architecture whose layer is not the draft's), naming both.
-    """
-    import torch
-    from speculators.utils.loading import load_model_layers
-
-    n = verifier_text_config(verifier_path)["num_hidden_layers"]
-    pre = f"model.layers.{n - 1}."
-    layer = draft.layers[0]
-    plain = ["self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-             "post_attention_layernorm.weight"]
-    doubled = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
-    w = load_model_layers([pre + k for k in plain + doubled + ["input_layernorm.weight"]], verifier_path)
-    params = dict(layer.named_parameters())
-    targets = {k: (w[pre + k], params[k]) for k in plain}
-    targets |= {k: (torch.cat([w[pre + k], w[pre + k]], dim=1), params[k]) for k in doubled}
-    targets |= {k: (w[pre + "input_layernorm.weight"], params[k]) for k in ("input_layernorm.weight",
-                                                                            "hidden_norm.weight")}
-    for k, (src, dst) in targets.items():
-        if src.shape != dst.shape:
-            raise ValueError(f"train.layer_init verifier: {verifier_path} layer {n - 1} {k} is "
-                             f"{list(src.shape)}, the draft's is {list(dst.shape)}")
-    h = draft.fc.weight.shape[0]
-    with torch.no_grad():
-        for src, dst in targets.values():
-            dst.copy_(src.to(dst.dtype))
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, -h:].copy_(torch.eye(h, dtype=draft.fc.weight.dtype))
-    return ["layers.0." + k for k in targets] + ["fc.weight"]

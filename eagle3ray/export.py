@@ -91,9 +91,7 @@ def export(cfg, force: bool = False) -> ExportSummary:
         return ExportSummary(paths.uri + "/export", local, prov.get("step"), prov.get("files", []), skipped=True)
     spec = VerifierSpec.from_config(cfg)
     d2t, t2d = load_vocab(paths)
-    # the checkpoint overwrites every trainable weight: no need to read the verifier's last layer for an init
-    draft = build_draft(spec.model_path, spec.layer_ids[:-1], d2t, t2d,
-                        {**cfg.train.model_dump(), "layer_init": "random"})
+    draft = build_draft(spec.model_path, spec.layer_ids[:-1], d2t, t2d, cfg.train.model_dump())
     with paths.fs.open(f"{best['checkpoint']}/{TRAINABLE_FILE}", "rb") as f:
         state = st_load(f.read())
     trainable = {n for n, p in draft.named_parameters() if p.requires_grad}
