@@ -41,6 +41,7 @@ MEASURES = ("engine", "train worker", "ray")
 
 def child(measure: str, config: str | None) -> None:
     t0 = time.time()
+    from eagle3ray import plan
     from eagle3ray.config import load_config
     from eagle3ray.verifier import VerifierSpec
 
@@ -61,7 +62,7 @@ def child(measure: str, config: str | None) -> None:
 
         V = spec.model_identity["vocab_size"]
         d2t, t2d = build_vocab_mappings_from_distribution({i: 1 for i in range(V)}, cfg.vocab.draft_vocab_size, V)
-        DraftStep.build(cfg.train.model_dump(), spec.model_path, spec.layer_ids[:-1], d2t, t2d,
+        DraftStep.build(plan.timing_train_settings(cfg.train), spec.model_path, spec.layer_ids[:-1], d2t, t2d,
                         spec.model_identity["hidden_size"], autocast_bf16=False)
     else:
         import ray

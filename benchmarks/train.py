@@ -45,7 +45,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown --variants {sorted(unknown)}")
 
-    from eagle3ray import blocks, storage
+    from eagle3ray import blocks, plan, storage
     from eagle3ray.config import load_config
     from eagle3ray.machine import cpu_engine_env
     from eagle3ray.verifier import VerifierSpec
@@ -56,7 +56,7 @@ def main() -> None:
     build_vocab(cfg)
     man, files = blocks.read_committed(src.fs, src.hidden_states)
     spec = VerifierSpec.from_config(cfg)
-    tc = cfg.train.model_dump()
+    tc = plan.timing_train_settings(cfg.train, max_steps=args.steps)  # a planned optimizer times adamw
     budget = cfg.train.max_tokens_per_batch
     print(f"blocks={len(files)} samples={man['counts']['samples']} tokens={man['counts']['tokens']} "
           f"max_tokens_per_batch={budget} steps={args.steps}", flush=True)
@@ -138,7 +138,7 @@ def ray_train_variants(args, cfg, src, variants, rounds) -> None:
             # more would starve Ray Data's read tasks of the local cluster's logical CPUs
             over = [*args.overrides, f"run.storage=file://{tmp}", f"run.name={name}",
                     f"train.num_workers={workers}", f"train.cpus_per_worker={cfg.train.cpus_per_worker / workers:g}",
-                    f"train.max_steps={args.steps}",
+                    f"train.max_steps={args.steps}", f"train.optimizer={tc['optimizer']}",
                     f"train.checkpoint_every={max(1, args.steps // 2)}", "train.max_failures=0"]
             wcfg = load_config(args.config, over)
             dst = storage.run_paths(wcfg)

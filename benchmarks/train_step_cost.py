@@ -36,7 +36,7 @@ def main() -> None:
     import torch
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    from eagle3ray import blocks, storage
+    from eagle3ray import blocks, plan, storage
     from eagle3ray.artifacts import load_token_frequencies
     from eagle3ray.config import load_config
     from eagle3ray.train_worker import DraftStep, pack_rows, row_to_sample
@@ -62,7 +62,7 @@ def main() -> None:
     grid = itertools.product(*(map(int, a.split(",")) for a in (args.vocab, args.tokens, args.ttt)),
                              args.autocast.split(","))
     for vd, T, ttt, ac in grid:
-        tc = cfg.train.model_dump()
+        tc = plan.timing_train_settings(cfg.train)
         tc["ttt_steps"], tc["max_tokens_per_batch"] = ttt, T
         d2t, t2d = build_vocab_mappings_from_distribution(counts, vd, len(freq))
         torch.manual_seed(0)

@@ -293,13 +293,15 @@ def test_the_probes_warm_import_is_timed_in_a_fresh_interpreter_and_a_failure_is
     assert P._warm_import_s(2) == float("inf")
 
 
-@pytest.mark.parametrize("muon_s, chosen", [(0.45, "muon"), (0.60, "muon"), (0.61, "adamw"), (1.20, "adamw")])
+@pytest.mark.parametrize("muon_s, chosen", [(0.45, "muon"), (0.70, "muon"), (0.88, "muon"), (0.89, "adamw"),
+                                             (1.20, "adamw")])
 def test_the_plan_takes_muon_unless_its_step_costs_over_the_measured_ratio(tmp_path, muon_s, chosen):
-    """train.optimizer: plan: Muon up to MUON_MAX_STEP_RATIO (1.5) x AdamW's probed step (0.40 s here), AdamW above;
-    the chosen optimizer's step is the one the plan sizes the run with, and the printed plan says why."""
+    """train.optimizer: plan: Muon up to MUON_MAX_STEP_RATIO (2.2) x AdamW's probed step (0.40 s here), AdamW above
+    (1.74x, 0.70 s: Muon won on the same blocks in session 31; above 2.7x AdamW did in session 30); the chosen
+    optimizer's step is the one the plan sizes the run with, and the printed plan says why."""
     from dataclasses import replace
 
-    assert P.MUON_MAX_STEP_RATIO == 1.5
+    assert P.MUON_MAX_STEP_RATIO == 2.2
     rates = replace(RATES, step_s_by_optimizer={"adamw": 0.40, "muon": muon_s})
     p = P.make_plan(cfg_for(tmp_path), rates, 900)
     assert p["optimizer"] == chosen and p["rates"]["train_step_s"] == rates.step_s_by_optimizer[chosen]
