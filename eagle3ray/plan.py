@@ -541,7 +541,8 @@ def _probe_here(cfg) -> Rates:
     flags = cpu_flags()
     return Rates(engine_load_s=load, engine_start_s=engine_start, prefill_tok_s=prefill, decode_tok_s=dec,
                  decode_batch=batch, val_decode_tok_s=vdec, val_batch=vbatch,
-                 prompt_tokens_mean=prompt_mean, kept_fraction=kept_fraction, train_step_s=step_s, step_s_by_optimizer=by_optimizer,
+                 prompt_tokens_mean=prompt_mean, kept_fraction=kept_fraction, train_step_s=step_s,
+                 step_s_by_optimizer=by_optimizer,
                  probe_s=time.time() - t0,
                  engines_together=together,
                  state_bytes_per_token=bytes_per_token(len(spec.layer_ids), spec.model_identity["hidden_size"],

@@ -297,7 +297,7 @@ def test_the_probes_warm_import_is_timed_in_a_fresh_interpreter_and_a_failure_is
                                              (1.20, "adamw")])
 def test_the_plan_takes_muon_unless_its_step_costs_over_the_measured_ratio(tmp_path, muon_s, chosen):
     """train.optimizer: plan: Muon up to MUON_MAX_STEP_RATIO (2.2) x AdamW's probed step (0.40 s here), AdamW above
-    (1.74x, 0.70 s: Muon won on the same blocks in session 31; above 2.7x AdamW did in session 30); the chosen
+    (at 1.74x, 0.70 s, Muon won on the same blocks in session 31; at 2.7x AdamW did in session 30); the chosen
     optimizer's step is the one the plan sizes the run with, and the printed plan says why."""
     from dataclasses import replace
 
