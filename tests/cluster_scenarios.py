@@ -90,10 +90,44 @@ def start_cluster(head_cpus: float, metrics_port: int | None = None):
     return Cluster(initialize_head=True, head_node_args=args)
 
 
-def add_node(cluster, **kw):
+def add_node(cluster, attempts: int = 3, **kw):
+    """``cluster.add_node`` on 127.0.0.1, started again when Ray's node start times out.
+
+    ``ray/_private/node.py`` (Ray 2.60) waits a hard-coded 30 s for a new raylet to register with the GCS. On two
+    busy cores (these scenarios inside a full test run) it sometimes takes longer: ``Node.__init__`` then raises
+    "The current node timed out during startup" with the node's processes running and the ``Node`` lost to the
+    cluster, so it could never be removed. Those processes (the Ray processes that the failed start added as direct
+    children of this process, with their descendants) are killed and the node is started again, up to
+    ``attempts`` times; any other error, or the last timeout, is raised.
+    """
+    import psutil
+
     kw.setdefault("node_ip_address", "127.0.0.1")
-    kw.setdefault("metrics_export_port", free_port())
-    return cluster.add_node(**kw)
+    fixed_port = "metrics_export_port" in kw
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        if not fixed_port:
+            kw["metrics_export_port"] = free_port()
+        before = {p.pid for p in me.children()}
+        try:
+            return cluster.add_node(**kw)
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            stray = []
+            for p in me.children():
+                try:
+                    if p.pid not in before and "ray" in " ".join(p.cmdline()):
+                        stray += [p, *p.children(recursive=True)]
+                except psutil.Error:
+                    pass
+            for p in stray:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(stray, timeout=10)
+            mark(f"add_node: attempt {attempt} timed out ({e}); killed {len(stray)} processes of it, starting again")
 
 
 def serve_replicas() -> list[dict]:
