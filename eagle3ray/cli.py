@@ -324,7 +324,7 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
 
     def show(event: str, name: str, summary, seconds: float) -> None:
         if event == "start":
-            console.print(f"[bold]{name}[/bold] ...")
+            console.print(f"[bold]{name}[/bold] ..." + (f" {summary}" if summary else ""), soft_wrap=True)
         elif verbose() and name in ("prepare", "check", "validate"):
             _render(summary)
         elif getattr(summary, "ok", True) is False:
@@ -346,9 +346,15 @@ def run(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
     finally:
         _collect_logs(cfg)
     est = (result.plan or {}).get("estimates", {})
+    refit = (result.plan or {}).get("refit") or {}
+
+    def planned(n: str) -> str:
+        if n not in est:
+            return ""
+        return f"  (plan {est[n]:.0f}" + (f"; re-fitted {refit['train_s']:.0f})" if n == "train" and refit else ")")
+
     console.print(_kv_table("stage wall times (s)" + (", planned" if est else ""),
-                            [(n, f"{d:.1f}" + (f"  (plan {est[n]:.0f})" if n in est else ""))
-                             for n, d in result.seconds.items()]
+                            [(n, f"{d:.1f}" + planned(n)) for n, d in result.seconds.items()]
                             + [("total", f"{result.total_seconds:.1f}"
                                 + (f"  (plan {result.plan['total_s']:.0f}, budget {result.plan['budget_s']:.0f})"
                                    if est else ""))], compact=True))

@@ -154,10 +154,11 @@ class RunResult:
 
 def run_stage(cfg, name: str, *, with_needs: bool = False, progress: bool = True,
               on_stage: Callable[[str, str, Any, float], None] | None = None,
-              on_plan: Callable[[dict, bool], None] | None = None) -> Any:
+              on_plan: Callable[[dict, bool], None] | None = None, start_note: str | None = None) -> Any:
     """Run one stage (and, with ``with_needs``, the stages it needs first); returns its summary.
 
-    ``on_stage(event, stage, summary, seconds)`` is called with ``event`` "start" (summary None) and "end".
+    ``on_stage(event, stage, summary, seconds)`` is called with ``event`` "start" (summary: ``start_note``, a
+    line on how the stage was re-planned, or None) and "end".
     Sizes set to ``plan`` are replaced first (:func:`eagle3ray.plan.planned_config`; ``on_plan(plan, fresh)``).
 
     Raises:
@@ -173,7 +174,7 @@ def run_stage(cfg, name: str, *, with_needs: bool = False, progress: bool = True
         for need in stage.needs:
             run_stage(cfg, need, with_needs=True, progress=progress, on_stage=on_stage)
     if on_stage is not None:
-        on_stage("start", name, None, 0.0)
+        on_stage("start", name, start_note, 0.0)
     t = time.time()
     if name in READ_ONLY_STAGES:
         summary = stage.fn(cfg, progress)
@@ -217,22 +218,53 @@ def run(cfg, *, progress: bool = True, on_stage: Callable[[str, str, Any, float]
         if on_stage is not None:
             on_stage(event, name, summary, seconds)
 
-    cfg = planned_config(cfg, on_plan=keep)
+    fresh: list[bool] = []
+    cfg = planned_config(cfg, on_plan=lambda plan, new: (fresh.append(new), keep(plan, new)))
     from . import storage
     from .lease import held
 
     with held(storage.run_paths(cfg), "run"):  # the whole run is one writer; its stages reuse the lease
-        _run_stages(cfg, progress, record)
+        _run_stages(cfg, progress, record, result, t0 if fresh == [True] else None)
     result.total_seconds = time.time() - t0
     return result
 
 
-def _run_stages(cfg, progress: bool, record) -> None:
+def _run_stages(cfg, progress: bool, record, result: RunResult, t0: float | None) -> None:
+    """Every stage in order; before train, a plan made by this run (``t0``: the run's start, else None) re-fits
+    ``train.max_steps`` to the time left (:func:`refit_train`)."""
     last = last_service_stage(cfg)
     for name in STAGES:
-        run_stage(cfg, name, progress=progress, on_stage=record)
+        note = None
+        if name == "train" and t0 is not None:
+            cfg, note = refit_train(cfg, result, time.time() - t0)
+        run_stage(cfg, name, progress=progress, on_stage=record, start_note=note)
         if name == last:
             release_local_verifier(cfg)
+
+
+def refit_train(cfg, result: RunResult, elapsed_s: float) -> tuple[Any, str | None]:
+    """``cfg`` with a planned ``train.max_steps`` re-fitted to the budget left after ``elapsed_s`` seconds of the
+    run (:func:`eagle3ray.plan.refit_steps`, from ``result``'s plan and stage times), and a line saying so.
+
+    The new steps and the refit's figures (``plan.json``'s ``refit``) are written to the run's plan, so a resumed
+    run trains to the same steps (and its train stage's config hash stays the same); a plan that already has a
+    refit is kept as it is. Returns ``(cfg, None)`` unchanged where nothing was re-fitted.
+    """
+    from . import storage
+    from .plan import plan_path, refit_steps
+
+    plan = result.plan
+    if plan is None or plan.get("refit") or cfg.train.max_steps != plan.get("max_steps"):
+        return cfg, None
+    r = refit_steps(cfg, plan, elapsed_s, result.seconds)
+    if r is None:
+        return cfg, None
+    plan = {**plan, "max_steps": r["max_steps"], "refit": {**r, "elapsed_s": elapsed_s}}
+    storage.write_json_atomic(*plan_path(cfg), plan)
+    result.plan = plan
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": r["max_steps"]})})
+    return cfg, (f"{r['max_steps']} steps (planned {r['planned_steps']}; re-fitted: {r['left_s']:.0f} s left for "
+                 f"it, the data stages ran at {r['speed']:.2f}x their estimates)")
 
 
 def last_service_stage(cfg) -> str:

@@ -318,6 +318,64 @@ def make_plan(cfg, rates: Rates, budget_s: float) -> dict:
             "overheads": dict(OVERHEADS), "safety": PLAN_SAFETY, "created_at": time.time()}
 
 
+#: How far the refit (:func:`refit_steps`) scales the train stage's estimate by how the stages before it ran
+#: against their estimates, and how far it moves the planned steps.
+REFIT_SPEED_LIMITS = (0.75, 1.25)
+REFIT_STEP_LIMITS = (0.5, 2.0)
+
+
+def refit_steps(cfg, plan: dict, elapsed_s: float, stage_s: dict[str, float]) -> dict | None:
+    """Re-fit a planned ``train.max_steps`` to the budget actually left when the train stage starts.
+
+    The plan's sizes come from a probe of about a minute; a shared machine is slower or faster than that minute
+    for the next ten (a probe in a slow spell left 154 s of a 900 s budget unused, with prepare, extract and train
+    at 0.76-0.78 of their estimates; docs/plan.md, "The train stage takes the time left"). By the train stage the
+    data size is fixed; the steps are not. The time left is ``plan["target_s"]`` (``PLAN_SAFETY`` x the budget)
+    minus ``elapsed_s`` minus the estimates of the stages after train; the train term of :func:`estimate` at the
+    planned data size is scaled by ``speed``, how the data stages ran against their estimates (the sum of
+    ``stage_s`` over prepare and extract against theirs, clipped to :data:`REFIT_SPEED_LIMITS`: on past runs the
+    train stage's actual / planned followed theirs, docs/plan.md), and the largest step count whose scaled term
+    fits is taken, within :data:`REFIT_STEP_LIMITS` x the planned steps.
+
+    Args:
+        cfg: the run's config with the plan's sizes in it (:func:`planned_config`).
+        plan: the run's plan (:func:`make_plan`).
+        elapsed_s: wall seconds of the budget spent so far (the probe included), s.
+        stage_s: wall seconds of the stages run so far, by stage name, s.
+
+    Returns:
+        None when ``train.max_steps`` was not planned, or prepare or extract did not run in ``stage_s`` (a resumed
+        run: the time spent before is unknown). Else ``{"max_steps", "planned_steps", "left_s", "speed",
+        "train_s"}`` (``train_s``: the scaled estimate of the train stage at the new steps, s).
+    """
+    if "train.max_steps" not in plan.get("planned", ()):
+        return None
+    data_stages = [k for k in ("prepare", "extract") if plan["estimates"].get(k, 0) > 0]
+    if not data_stages or any(k not in stage_s for k in data_stages):
+        return None
+    lo_v, hi_v = REFIT_SPEED_LIMITS
+    speed = sum(stage_s[k] for k in data_stages) / sum(plan["estimates"][k] for k in data_stages)
+    speed = min(hi_v, max(lo_v, speed))
+    after = ("export", "check", "validate")
+    left = plan["target_s"] - elapsed_s - sum(plan["estimates"].get(k, 0.0) for k in after)
+    rates, n, planned = Rates.from_dict(plan["rates"]), plan["max_samples"], plan["max_steps"]
+
+    def train_s(steps: int) -> float:
+        return estimate(cfg, rates, n, steps)["train"] * speed
+
+    lo, hi = max(1, int(planned * REFIT_STEP_LIMITS[0])), max(1, int(planned * REFIT_STEP_LIMITS[1]))
+    if train_s(hi) <= left:
+        steps = hi
+    elif train_s(lo) > left:
+        steps = lo
+    else:  # train_s grows with the steps: the largest count that fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if train_s(mid) <= left else (lo, mid)
+        steps = lo
+    return {"max_steps": steps, "planned_steps": planned, "left_s": left, "speed": speed, "train_s": train_s(steps)}
+
+
 #: The planned sizes each stage reads (a stage command plans only when one of its own says ``plan``).
 STAGE_SIZES = {"prepare": ("data.max_samples",), "extract": ("data.max_samples",),
                "train": ("train.max_steps", "train.optimizer")}

@@ -340,3 +340,64 @@ def test_the_last_partial_regeneration_chunk_decodes_at_its_own_smaller_batch(tm
     tail = 44 * per / P.decode_tok_s_at(RATES, 44)
     assert P.regeneration_decode_s(cfg, RATES, 300) == pytest.approx(256 * per / 550 + tail)
     assert tail > 44 * per / 550
+
+
+def _at_train_start(p: dict, speed: float) -> tuple[float, dict]:
+    """(elapsed s, stage s) at the train stage's start when prepare and extract ran at ``speed`` x their estimates."""
+    e = p["estimates"]
+    stage_s = {"prepare": e["prepare"] * speed, "extract": e["extract"] * speed, "vocab": e["vocab"]}
+    return e["plan"] + sum(stage_s.values()), stage_s
+
+
+def test_the_refit_keeps_the_planned_steps_when_the_run_is_on_its_plan(tmp_path):
+    cfg = cfg_for(tmp_path)
+    p = P.make_plan(cfg, RATES, 900)
+    r = P.refit_steps(cfg, p, *_at_train_start(p, 1.0))
+    assert r["speed"] == 1.0
+    assert abs(r["max_steps"] - p["max_steps"]) <= 0.03 * p["max_steps"], (r, p["max_steps"])
+
+
+@pytest.mark.parametrize("speed", [0.8, 1.2])
+def test_the_refit_gives_train_the_time_the_data_stages_saved_or_took(tmp_path, speed):
+    """Faster data stages leave time for more steps (each also costs less); slower ones take steps away; either
+    way the re-fitted run's estimate meets the plan's target."""
+    cfg = cfg_for(tmp_path)
+    p = P.make_plan(cfg, RATES, 900)
+    elapsed, stage_s = _at_train_start(p, speed)
+    r = P.refit_steps(cfg, p, elapsed, stage_s)
+    assert (r["max_steps"] > p["max_steps"]) == (speed < 1) and r["max_steps"] != p["max_steps"]
+    assert r["speed"] == pytest.approx(speed) and r["train_s"] <= r["left_s"]
+    after = sum(p["estimates"][k] for k in ("export", "check", "validate"))
+    assert r["left_s"] == pytest.approx(p["target_s"] - elapsed - after)
+    assert elapsed + r["train_s"] + after <= p["target_s"] + 1e-6
+    one_more = P.estimate(cfg, P.Rates.from_dict(p["rates"]), p["max_samples"], r["max_steps"] + 1)["train"] * speed
+    assert one_more > r["left_s"]  # the largest count that fits
+
+
+def test_the_refit_stays_within_its_limits_and_only_where_the_steps_were_planned(tmp_path):
+    cfg = cfg_for(tmp_path)
+    p = P.make_plan(cfg, RATES, 900)
+    elapsed, stage_s = _at_train_start(p, 3.0)  # data stages far over: speed clipped, steps at the floor
+    r = P.refit_steps(cfg, p, elapsed, stage_s)
+    assert r["speed"] == P.REFIT_SPEED_LIMITS[1]
+    assert r["max_steps"] == int(p["max_steps"] * P.REFIT_STEP_LIMITS[0])
+    assert P.refit_steps(cfg, p, 10.0, {"vocab": 1.0}) is None  # prepare/extract not run here: a resumed run
+    fixed = cfg_for(tmp_path, "train.max_steps=100")
+    assert P.refit_steps(fixed, P.make_plan(fixed, RATES, 900), *_at_train_start(p, 0.8)) is None
+
+
+def test_a_refit_is_written_to_the_plan_and_a_resumed_run_keeps_it(tmp_path, monkeypatch):
+    from eagle3ray.pipeline import RunResult, refit_train
+
+    monkeypatch.setattr(P, "probe", lambda cfg: RATES)
+    cfg = P.planned_config(cfg_for(tmp_path))
+    p = P.read_plan(cfg)
+    elapsed, stage_s = _at_train_start(p, 0.8)
+    result = RunResult(seconds=stage_s, plan=p)
+    new, note = refit_train(cfg, result, elapsed)
+    r = P.read_plan(cfg)["refit"]
+    assert new.train.max_steps == r["max_steps"] == P.read_plan(cfg)["max_steps"] > p["max_steps"]
+    assert note.startswith(f"{r['max_steps']} steps (planned {p['max_steps']}; re-fitted")
+    assert P.planned_config(cfg_for(tmp_path)).train.max_steps == r["max_steps"]  # a resumed run trains as far
+    again, note2 = refit_train(new, RunResult(seconds=stage_s, plan=P.read_plan(cfg)), elapsed + 100)
+    assert again is new and note2 is None  # one refit per run
