@@ -263,8 +263,9 @@ def refit_train(cfg, result: RunResult, elapsed_s: float) -> tuple[Any, str | No
     storage.write_json_atomic(*plan_path(cfg), plan)
     result.plan = plan
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": r["max_steps"]})})
+    scaled = f", its estimate scaled by {r['speed']:.2f}" if r["speed"] != 1.0 else ""
     return cfg, (f"{r['max_steps']} steps (planned {r['planned_steps']}; re-fitted: {r['left_s']:.0f} s left for "
-                 f"it, the data stages ran at {r['speed']:.2f}x their estimates)")
+                 f"it, the data stages at {r['data_ratio']:.2f}x their estimates{scaled})")
 
 
 def last_service_stage(cfg) -> str:

@@ -348,8 +348,9 @@ def refit_steps(cfg, plan: dict, elapsed_s: float, stage_s: dict[str, float]) ->
 
     Returns:
         None when ``train.max_steps`` was not planned, or prepare or extract did not run in ``stage_s`` (a resumed
-        run: the time spent before is unknown). Else ``{"max_steps", "planned_steps", "left_s", "speed",
-        "train_s"}`` (``train_s``: the scaled estimate of the train stage at the new steps, s).
+        run: the time spent before is unknown). Else ``{"max_steps", "planned_steps", "left_s", "data_ratio" (the
+        data stages' actual / estimated), "speed" (the factor applied), "train_s"}`` (``train_s``: the scaled
+        estimate of the train stage at the new steps, s).
     """
     if "train.max_steps" not in plan.get("planned", ()):
         return None
@@ -357,8 +358,8 @@ def refit_steps(cfg, plan: dict, elapsed_s: float, stage_s: dict[str, float]) ->
     if not data_stages or any(k not in stage_s for k in data_stages):
         return None
     lo_v, hi_v = REFIT_SPEED_LIMITS
-    speed = sum(stage_s[k] for k in data_stages) / sum(plan["estimates"][k] for k in data_stages)
-    speed = 1.0 if REFIT_SPEED_DEADBAND[0] <= speed <= REFIT_SPEED_DEADBAND[1] else min(hi_v, max(lo_v, speed))
+    ratio = sum(stage_s[k] for k in data_stages) / sum(plan["estimates"][k] for k in data_stages)
+    speed = 1.0 if REFIT_SPEED_DEADBAND[0] <= ratio <= REFIT_SPEED_DEADBAND[1] else min(hi_v, max(lo_v, ratio))
     after = ("export", "check", "validate")
     left = plan["target_s"] - elapsed_s - sum(plan["estimates"].get(k, 0.0) for k in after)
     rates, n, planned = Rates.from_dict(plan["rates"]), plan["max_samples"], plan["max_steps"]
@@ -376,7 +377,8 @@ def refit_steps(cfg, plan: dict, elapsed_s: float, stage_s: dict[str, float]) ->
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if train_s(mid) <= left else (lo, mid)
         steps = lo
-    return {"max_steps": steps, "planned_steps": planned, "left_s": left, "speed": speed, "train_s": train_s(steps)}
+    return {"max_steps": steps, "planned_steps": planned, "left_s": left, "data_ratio": ratio, "speed": speed,
+            "train_s": train_s(steps)}
 
 
 #: The planned sizes each stage reads (a stage command plans only when one of its own says ``plan``).

@@ -366,7 +366,8 @@ def test_the_refit_gives_train_the_time_the_data_stages_saved_or_took(tmp_path, 
     elapsed, stage_s = _at_train_start(p, speed)
     r = P.refit_steps(cfg, p, elapsed, stage_s)
     assert (r["max_steps"] > p["max_steps"]) == (speed < 1) and r["max_steps"] != p["max_steps"]
-    assert r["speed"] == pytest.approx(scaled) and r["train_s"] <= r["left_s"]
+    assert r["speed"] == pytest.approx(scaled) and r["data_ratio"] == pytest.approx(speed)
+    assert r["train_s"] <= r["left_s"]
     after = sum(p["estimates"][k] for k in ("export", "check", "validate"))
     assert r["left_s"] == pytest.approx(p["target_s"] - elapsed - after)
     assert elapsed + r["train_s"] + after <= p["target_s"] + 1e-6
@@ -398,6 +399,35 @@ def test_a_refit_is_written_to_the_plan_and_a_resumed_run_keeps_it(tmp_path, mon
     r = P.read_plan(cfg)["refit"]
     assert new.train.max_steps == r["max_steps"] == P.read_plan(cfg)["max_steps"] > p["max_steps"]
     assert note.startswith(f"{r['max_steps']} steps (planned {p['max_steps']}; re-fitted")
+    assert note.endswith("the data stages at 0.80x their estimates, its estimate scaled by 0.80)")
     assert P.planned_config(cfg_for(tmp_path)).train.max_steps == r["max_steps"]  # a resumed run trains as far
     again, note2 = refit_train(new, RunResult(seconds=stage_s, plan=P.read_plan(cfg)), elapsed + 100)
     assert again is new and note2 is None  # one refit per run
+
+
+def test_a_planned_run_trains_to_the_refitted_steps_and_says_so(tmp_path, monkeypatch):
+    """pipeline.run with stand-in stages: the train stage gets the re-fitted steps (here the 2x ceiling: the data
+    stages took no time), the train line carries the note, and a second run resumes with the same steps."""
+    from types import SimpleNamespace
+
+    from eagle3ray import pipeline
+
+    monkeypatch.setattr(P, "probe", lambda cfg: RATES)
+    seen: dict = {}
+
+    def stage(name):
+        def fn(cfg, progress):
+            seen.setdefault(name, []).append(cfg.train.max_steps)
+            return SimpleNamespace(title=name, rows=lambda: [])
+        return pipeline.Stage(name, (), fn)
+
+    monkeypatch.setattr(pipeline, "STAGES", {n: stage(n) for n in pipeline.STAGES})
+    events = []
+    r = pipeline.run(cfg_for(tmp_path), progress=False, on_stage=lambda ev, n, s, t: events.append((ev, n, s)))
+    planned = r.plan["refit"]["planned_steps"]
+    assert seen["train"] == seen["validate"] == [int(planned * P.REFIT_STEP_LIMITS[1])] != seen["prepare"]
+    (note,) = [s for ev, n, s in events if ev == "start" and n == "train"]
+    assert note.startswith(f"{seen['train'][0]} steps (planned {planned}; re-fitted")
+    assert all(s is None for ev, n, s in events if ev == "start" and n != "train")
+    pipeline.run(cfg_for(tmp_path), progress=False)  # resumed: plan.json's steps, no second refit
+    assert seen["train"][1] == seen["train"][0] and P.read_plan(cfg_for(tmp_path))["refit"]["planned_steps"] == planned
