@@ -77,6 +77,10 @@ OVERHEADS = {
                                     # prompts, 128-token answers, the batch's tail): 0.55 fitted with 32-token
                                     # decode prompts, / 1.15 for 8-token ones (as regen_efficiency)
     "spec_slowdown": 1.9,         # the engine with the draft over the one without, CPU (validate.json's speedup)
+    "check_decode_slowdown": 1.55,  # the greedy check's pair (validation.greedy_check_dtype, float32) decodes this
+                                    # much slower than the compute-dtype pair (bf16) that the probe times: 1.52 and
+                                    # 1.59 in two runs on an AMD EPYC with AVX512-BF16 (validate's log lines,
+                                    # session 32, docs/plan.md); not yet measured on a CPU with AMX-BF16
 }
 
 
@@ -260,7 +264,7 @@ def estimate(cfg, rates: Rates, n: int, steps: int) -> dict[str, float]:
     together = rates.engines_together if rates.engines_together >= 0 else o["engines_together"]
     starts = sum(engine * (1 + together * (g - 1)) for g in groups)
     validate = o["validate_fixed_s"] + starts + len(vc.temperatures) * gen * (1 + drafts * o["spec_slowdown"]) + (
-        gen * (1 + o["spec_slowdown"]) if check else 0.0)  # the check pair decodes at T=0 only
+        gen * (1 + o["spec_slowdown"]) * o["check_decode_slowdown"] if check else 0.0)  # the check pair: T=0 only
     return {"prepare": prepare, "extract": extract, "vocab": o["vocab_s"], "train": train, "export": export,
             "check": 2.0, "validate": validate}
 
