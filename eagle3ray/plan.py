@@ -16,6 +16,8 @@ entry point (``eagle3ray run``, each stage command, ``eagle3ray check``, the Ray
    ``PLAN_SAFETY`` x the budget, with ``train.max_steps`` = ``train.planned_epochs`` passes over N samples'
    tokens (the split between data and steps: ``docs/plan.md``). An explicit size is kept and the other is fitted
    around it.
+4. **Refit** (:func:`refit_steps`, by ``eagle3ray run`` when its train stage starts): planned steps re-fitted to the
+   budget actually left, the data size being fixed by then.
 
 The plan is written to ``<run>/plan.json`` once and reused on every later command of the run (so a resumed
 run keeps its sizes, and the stages' config hashes stay the same); ``eagle3ray plan --replan`` probes again.
