@@ -325,8 +325,8 @@ def make_plan(cfg, rates: Rates, budget_s: float) -> dict:
 
 
 #: How far the refit (:func:`refit_steps`) scales the train stage's estimate by how the data stages ran against
-#: theirs: not within ``REFIT_SPEED_DEADBAND`` (there, in 11 whole runs, their ratio did not predict train's: 0.92
-#: with train at 1.03, 0.94 with 1.10), at most ``REFIT_SPEED_LIMITS``; and how far it moves the planned steps.
+#: theirs: not within ``REFIT_SPEED_DEADBAND`` (there, in 13 whole runs, their ratio did not predict train's: 0.90-1.05
+#: with train at 0.92-1.10; docs/plan.md), at most ``REFIT_SPEED_LIMITS``; and how far it moves the planned steps.
 REFIT_SPEED_DEADBAND = (0.85, 1.15)
 REFIT_SPEED_LIMITS = (0.75, 1.25)
 REFIT_STEP_LIMITS = (0.5, 2.0)
