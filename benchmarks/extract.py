@@ -4,7 +4,11 @@ Same samples (prepared once from the config), same token-budget batches, same en
 
 1. pipeline: ``eagle3ray.extract.extract`` (Ray Serve verifier + Ray Data + Parquet blocks on storage
    + manifest commits), timed from the first unit sent to the last block committed, with the verifier
-   already loaded (a fresh run directory each round);
+   already loaded (a fresh run directory each round); with the seconds the replica's engine spent in its
+   extract calls (``VerifierEngine.info()["extract_seconds"]``), which split the gap to the bare engine into the
+   engine running slower in the replica and the engine waiting for work;
+   then ``service_direct``: the same units sent to the same service from this process one after another (no
+   Ray Data, no blocks, no manifest);
 2. bare engine: ``VerifierEngine.extract`` on the same batches in this process (vLLM prefill with
    hidden-state capture, no Ray, no storage);
 3. transformers: ``AutoModelForCausalLM`` fp32 forward with ``output_hidden_states=True``, one sample
@@ -33,6 +37,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--pipeline-variants", default="",
+                    help="pipeline variants compared round by round in this one process, '|'-separated override sets "
+                         "(e.g. 'extract.writer_nice=0|extract.writer_nice=10'); each round runs every variant")
     ap.add_argument("overrides", nargs="*", help="config overrides (dotted key=value), e.g. extract.writers_per_replica=2")
     args = ap.parse_args()
 
@@ -50,6 +57,12 @@ def main() -> None:
 
     import ray
     from ray import serve
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from data_plane import cpu_by_process, roles  # CPU seconds per process role (psutil)
+
+    def top(cpu: dict[str, float], n: int = 6) -> str:
+        return ", ".join(f"{k} {v:.1f}" for k, v in list(cpu.items())[:n])
 
     from eagle3ray import storage
     from eagle3ray.config import load_config
@@ -79,18 +92,44 @@ def main() -> None:
     spec = VerifierSpec.from_config(cfg)
     ensure_ray(cfg)
     t = time.time()
-    get_or_start_verifier(spec, 1, 1, cfg.verifier.num_cpus)
+    handle = get_or_start_verifier(spec, 1, 1, cfg.verifier.num_cpus)
     print(f"verifier service start: {time.time() - t:.1f} s", flush=True)
-    for r in range(args.rounds):
-        rcfg = load_config(args.config, base[:-1] + [f"run.name=bench-pipeline-{r}"])
+    busy: list[float] = []  # per round: seconds the replica's engine spent in extract calls
+    variants = [v.split() for v in args.pipeline_variants.split("|")] if args.pipeline_variants else [[]]
+    by_variant: dict[str, list[float]] = {" ".join(v) or "pipeline": [] for v in variants}
+    for r, var in ((r, v) for r in range(args.rounds) for v in variants):
+        name = " ".join(var) or "pipeline"
+        rcfg = load_config(args.config, base[:-1] + var + [f"run.name=bench-pipeline-{r}-{len(by_variant[name])}"
+                                                           f"-{abs(hash(name)) % 10000}"])
         # reuse the prepared conversations: copy them into the round's run directory
         src, dst = storage.run_paths(cfg), storage.run_paths(rcfg)
         src.fs.copy(src.conversations, dst.conversations, recursive=True)
+        before, cpu0 = handle.info.remote().result()["extract_seconds"], cpu_by_process()
         s = extract(rcfg, progress=False)
+        cpu = roles(cpu0, cpu_by_process())
+        busy.append(handle.info.remote().result()["extract_seconds"] - before)
         assert s.tokens == tokens, (s.tokens, tokens)
         results["pipeline"].append(s.tokens / s.seconds)
-        print(f"pipeline round {r}: {s.tokens / s.seconds:.0f} tok/s ({s.seconds:.1f} s, {s.blocks} blocks, "
-              f"{s.bytes_written / 1e6:.0f} MB)", flush=True)
+        by_variant[name].append(s.tokens / s.seconds)
+        print(f"{name} round {r}: {s.tokens / s.seconds:.0f} tok/s ({s.seconds:.1f} s, {s.blocks} blocks, "
+              f"{s.bytes_written / 1e6:.0f} MB); the replica's engine in extract calls {busy[-1]:.1f} s "
+              f"({tokens / busy[-1]:.0f} tok/s while busy, busy {busy[-1] / s.seconds:.0%} of the round)\n"
+              f"  CPU s by process: {top(cpu)}", flush=True)
+    # 1b. the same service called directly from this process, unit after unit (no Ray Data, no blocks, no
+    # manifest): what the replica's engine does when nothing else of the pipeline runs beside it
+    results["service_direct"] = []
+    for r in range(args.rounds):
+        before, cpu0 = handle.info.remote().result()["extract_seconds"], cpu_by_process()
+        t = time.time()
+        for u in units:
+            handle.extract.remote([{"sample_id": s["sample_id"], "input_ids": s["input_ids"]} for s in u],
+                                  cfg.extract.storage_dtype).result()
+        dt = time.time() - t
+        cpu = roles(cpu0, cpu_by_process())
+        b = handle.info.remote().result()["extract_seconds"] - before
+        results["service_direct"].append(tokens / dt)
+        print(f"service direct round {r}: {tokens / dt:.0f} tok/s ({dt:.1f} s); the engine in extract calls {b:.1f} s "
+              f"({tokens / b:.0f} tok/s while busy)\n  CPU s by process: {top(cpu)}", flush=True)
     serve.shutdown()
     ray.shutdown()
     gc.collect()
@@ -124,9 +163,16 @@ def main() -> None:
             results["transformers"].append(tokens / dt)
             print(f"transformers round {r}: {tokens / dt:.0f} tok/s ({dt:.1f} s)", flush=True)
 
+    if len(variants) > 1:
+        print("\nmedian tokens/s by pipeline variant: " + ", ".join(f"{k} {statistics.median(v):.0f}"
+                                                                    for k, v in by_variant.items()))
     med = {k: statistics.median(v) for k, v in results.items() if v}
     print("\nmedian tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in med.items()))
     print(f"ratio pipeline/bare_engine: {med['pipeline'] / med['bare_engine']:.2f} (target >= 0.95)")
+    if busy:  # where the gap is: the engine slower inside the replica, or the engine waiting for work
+        eng = tokens / statistics.median(busy)
+        print(f"the replica's engine while busy: {eng:.0f} tok/s ({eng / med['bare_engine']:.2f} of the bare engine); "
+              f"busy {statistics.median(busy) * med['pipeline'] / tokens:.0%} of the pipeline's round (median)")
     if "transformers" in med:
         print(f"ratio pipeline/transformers: {med['pipeline'] / med['transformers']:.2f}")
 

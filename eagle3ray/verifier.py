@@ -158,11 +158,16 @@ class _EngineCounters:
         type(self).loads_in_process += 1
         self.load_seconds = load_seconds
         self.loaded_at = time.time()
-        self.stats = {"extract_calls": 0, "generate_calls": 0, "samples": 0, "tokens": 0, "batch_tokens": []}
+        self.stats = {"extract_calls": 0, "generate_calls": 0, "samples": 0, "tokens": 0, "batch_tokens": [],
+                      "extract_seconds": 0.0}
 
-    def _count_extract(self, samples: list[dict]) -> None:
+    def _count_extract(self, samples: list[dict], seconds: float = 0.0) -> None:
+        """Count one extract call: its samples, tokens and ``seconds`` (wall time inside the engine's ``extract``:
+        the engine call, reading and checking the states; ``benchmarks/extract.py`` compares it with the
+        pipeline's wall time)."""
         ntok = sum(len(s["input_ids"]) for s in samples)
         self.stats["extract_calls"] += 1
+        self.stats["extract_seconds"] += seconds
         self.stats["samples"] += len(samples)
         self.stats["tokens"] += ntok
         self.stats["batch_tokens"].append(ntok)
@@ -173,7 +178,8 @@ class _EngineCounters:
         self.stats["tokens"] += sum(len(p) for p in prompts)
 
     def info(self) -> dict:
-        """Identity, load time (s), uptime (s), requests served, tokens processed, per-call batch tokens."""
+        """Identity, load time (s), uptime (s), requests served, tokens processed, per-call batch tokens, seconds
+        spent in extract calls."""
         return {
             "identity_hash": self.spec.identity_hash(), "identity": self.spec.identity(), "pid": os.getpid(),
             "load_seconds": self.load_seconds, "uptime_seconds": time.time() - self.loaded_at,
@@ -342,6 +348,7 @@ class VerifierEngine(_EngineCounters):
             if len(s["input_ids"]) > self.spec.max_model_len:
                 raise VerifierError(f"sample {s['sample_id']}: {len(s['input_ids'])} tokens > max_model_len")
         prompts = [{"prompt_token_ids": list(map(int, s["input_ids"]))} for s in samples]
+        t0 = time.perf_counter()
         pin_threads(self._threads)
         try:
             outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
@@ -350,11 +357,12 @@ class VerifierEngine(_EngineCounters):
             raise
         paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
         try:
-            return self._read_states(samples, paths, storage_dtype)
+            return self._read_states(samples, paths, storage_dtype, t0)
         finally:
             self.scratch.discard(paths)  # every file of the call, also when a sample was rejected mid-batch
 
-    def _read_states(self, samples: list[dict], paths: list[str | None], storage_dtype: str) -> list[dict]:
+    def _read_states(self, samples: list[dict], paths: list[str | None], storage_dtype: str,
+                     t0: float | None = None) -> list[dict]:
         """Read and check each sample's states file (:meth:`extract`'s checks and return value)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
@@ -379,7 +387,7 @@ class VerifierEngine(_EngineCounters):
                 raise VerifierError(f"sample {s['sample_id']}: NaN/Inf in hidden states")
             results.append({"sample_id": s["sample_id"], "hidden_states": to_storage_array(states, storage_dtype),
                             "shape": tuple(states.shape)})
-        self._count_extract(samples)
+        self._count_extract(samples, time.perf_counter() - t0 if t0 is not None else 0.0)
         return results
 
     def _write_pending_states(self, paths: list[str | None]) -> None:
@@ -476,6 +484,7 @@ class StandInEngine(_EngineCounters):
 
     def extract(self, samples: list[dict], storage_dtype: str = "bfloat16") -> list[dict]:
         """Deterministic states of each sample, same return format as :meth:`VerifierEngine.extract`."""
+        t0 = time.perf_counter()
         stand_in_fault("extract", [s["sample_id"] for s in samples])
         ntok = sum(len(s["input_ids"]) for s in samples)
         busy = os.environ.get("EAGLE3RAY_STAND_IN_BUSY_DIR")  # rehearsals: lets a test fail a node mid-call
@@ -496,7 +505,7 @@ class StandInEngine(_EngineCounters):
             st = self.states_bf16(s["input_ids"], L, H)
             out.append({"sample_id": s["sample_id"], "hidden_states": to_storage_array(st, storage_dtype),
                         "shape": tuple(st.shape)})
-        self._count_extract(samples)
+        self._count_extract(samples, time.perf_counter() - t0)
         return out
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
