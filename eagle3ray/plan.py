@@ -585,7 +585,7 @@ def _probe_here(cfg) -> Rates:
     batch = max(1, v.max_num_seqs)
     dec = decode_rate(gen, prompts, batch)
     vbatch = max(1, min(cfg.validation.max_num_seqs, cfg.validation.max_prompts))
-    vdec = decode_rate(gen, prompts, vbatch) if vbatch != batch else dec
+    vdec = decode_rate(gen, prompts, vbatch, tokens=VAL_DECODE_PROBE_TOKENS) if vbatch != batch else dec
     del eng
     gc.collect()
     t_engine = time.time() - t
@@ -628,6 +628,14 @@ def _probe_here(cfg) -> Rates:
 #: shorter call reused the longer one's cached prefix blocks and so left part of a prefill in the difference;
 #: ``OVERHEADS``' regeneration and validation efficiencies are divided by those ratios.
 DECODE_PROBE_PROMPT_TOKENS = 8
+
+#: Tokens each sequence decodes in the probe's measurement at validation's batch (40 sequences): 48, not
+#: :func:`decode_rate`'s 16, so that the measured window (the difference of two calls) is about 3 s instead of 1.4 s
+#: and a passing hiccup weighs less. Two probes minutes apart on one AMD EPYC with AVX512-BF16 measured 456 and 767
+#: tok/s at 16 tokens (the runs' validation then decoded 1.3x apart), which moved validate's estimate from 144 to
+#: 216 s; in one quiet process 16 and 48 tokens ranged 0.92-1.01 and 0.99-1.01 of their medians over 8 rounds, 48
+#: at 0.98x the rate, so ``val_decode_efficiency`` is kept (``benchmarks/probe_decode.py --tokens 16,48``; docs/plan.md).
+VAL_DECODE_PROBE_TOKENS = 48
 
 
 def decode_rate(gen, prompts: list[list[int]], batch: int, prompt_tokens: int = DECODE_PROBE_PROMPT_TOKENS,

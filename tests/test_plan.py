@@ -432,3 +432,21 @@ def test_a_planned_run_trains_to_the_refitted_steps_and_says_so(tmp_path, monkey
     assert all(s is None for ev, n, s in events if ev == "start" and n != "train")
     pipeline.run(cfg_for(tmp_path), progress=False)  # resumed: plan.json's steps, no second refit
     assert seen["train"][1] == seen["train"][0] and P.read_plan(cfg_for(tmp_path))["refit"]["planned_steps"] == planned
+
+
+def test_decode_rate_leaves_the_prefill_out_at_any_window():
+    """``plan.decode_rate`` divides the tokens decoded by the difference of a long and a short call: a fake engine
+    whose calls cost a prefill plus a fixed time per decode step gives back exactly its decode rate, for the 16
+    tokens of regeneration's batch and the 48 of validation's (``VAL_DECODE_PROBE_TOKENS``)."""
+    from eagle3ray import plan
+
+    step_s, prefill_s = 0.05, 0.7  # per decode step of the whole batch; per call
+
+    def gen(prompts, n_tokens):
+        assert all(len(p) <= plan.DECODE_PROBE_PROMPT_TOKENS for p in prompts)
+        return prefill_s + n_tokens * step_s
+
+    prompts = [list(range(20)), list(range(5))]
+    for tokens in (16, plan.VAL_DECODE_PROBE_TOKENS):
+        assert plan.decode_rate(gen, prompts, 40, tokens=tokens) == pytest.approx(40 / step_s)
+    assert plan.VAL_DECODE_PROBE_TOKENS > 16
