@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--pipeline-variants", default="",
                     help="pipeline variants compared round by round in this one process, '|'-separated override sets "
-                         "(e.g. 'extract.writer_nice=0|extract.writer_nice=10'); each round runs every variant")
+                         "(e.g. 'extract.writers_per_replica=1|extract.writers_per_replica=2'); each round runs every variant")
     ap.add_argument("overrides", nargs="*", help="config overrides (dotted key=value), e.g. extract.writers_per_replica=2")
     args = ap.parse_args()
 
@@ -97,10 +97,9 @@ def main() -> None:
     busy: list[float] = []  # per round: seconds the replica's engine spent in extract calls
     variants = [v.split() for v in args.pipeline_variants.split("|")] if args.pipeline_variants else [[]]
     by_variant: dict[str, list[float]] = {" ".join(v) or "pipeline": [] for v in variants}
-    for r, var in ((r, v) for r in range(args.rounds) for v in variants):
+    for r, (vi, var) in ((r, v) for r in range(args.rounds) for v in enumerate(variants)):
         name = " ".join(var) or "pipeline"
-        rcfg = load_config(args.config, base[:-1] + var + [f"run.name=bench-pipeline-{r}-{len(by_variant[name])}"
-                                                           f"-{abs(hash(name)) % 10000}"])
+        rcfg = load_config(args.config, base[:-1] + var + [f"run.name=bench-pipeline-{r}-{vi}"])
         # reuse the prepared conversations: copy them into the round's run directory
         src, dst = storage.run_paths(cfg), storage.run_paths(rcfg)
         src.fs.copy(src.conversations, dst.conversations, recursive=True)

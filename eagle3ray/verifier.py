@@ -161,7 +161,7 @@ class _EngineCounters:
         self.stats = {"extract_calls": 0, "generate_calls": 0, "samples": 0, "tokens": 0, "batch_tokens": [],
                       "extract_seconds": 0.0}
 
-    def _count_extract(self, samples: list[dict], seconds: float = 0.0) -> None:
+    def _count_extract(self, samples: list[dict], seconds: float) -> None:
         """Count one extract call: its samples, tokens and ``seconds`` (wall time inside the engine's ``extract``:
         the engine call, reading and checking the states; ``benchmarks/extract.py`` compares it with the
         pipeline's wall time)."""
@@ -362,8 +362,9 @@ class VerifierEngine(_EngineCounters):
             self.scratch.discard(paths)  # every file of the call, also when a sample was rejected mid-batch
 
     def _read_states(self, samples: list[dict], paths: list[str | None], storage_dtype: str,
-                     t0: float | None = None) -> list[dict]:
-        """Read and check each sample's states file (:meth:`extract`'s checks and return value)."""
+                     t0: float) -> list[dict]:
+        """Read and check each sample's states file (:meth:`extract`'s checks and return value); ``t0``: the
+        ``time.perf_counter()`` at which the call began, for the engine's ``extract_seconds``."""
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
             load_hidden_states,
@@ -387,7 +388,7 @@ class VerifierEngine(_EngineCounters):
                 raise VerifierError(f"sample {s['sample_id']}: NaN/Inf in hidden states")
             results.append({"sample_id": s["sample_id"], "hidden_states": to_storage_array(states, storage_dtype),
                             "shape": tuple(states.shape)})
-        self._count_extract(samples, time.perf_counter() - t0 if t0 is not None else 0.0)
+        self._count_extract(samples, time.perf_counter() - t0)
         return results
 
     def _write_pending_states(self, paths: list[str | None]) -> None:
